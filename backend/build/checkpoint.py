@@ -1,0 +1,322 @@
+"""Read Llama-family checkpoints (Hugging Face directory or GGUF file) into one neutral form.
+
+Knows: config keys of Llama / SmolLM / Mistral / Qwen2 in both formats, tensor naming of HF and
+llama.cpp, the Q/K row permutation llama.cpp's converter applies to `llama` GGUFs. Does not know:
+ONNX or quantized kernel layouts (graph.py, quant.py).
+
+Every linear weight comes out as a `SourceTensor` of shape [out_features, in_features] that is
+either float or still in its GGUF block encoding, so a 4-bit engine can repack blocks exactly.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from backend.manifest import ModelConfig
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+BLOCK_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                    "Qwen2ForCausalLM": "qwen2"}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be built: unsupported architecture, tensor type, or missing file."""
+
+
+@dataclass
+class SourceTensor:
+    name: str
+    qtype: str                      # "F32" | "F16" | "BF16" | one of BLOCK_TYPES
+    shape: tuple[int, ...]          # logical shape, [out, in] for matrices
+    raw: np.ndarray                 # float array, or uint8 [out, bytes_per_row] of GGUF blocks
+    row_perm: np.ndarray | None = None   # [out] int64: row i of the result is raw row row_perm[i]
+
+    def rows(self) -> np.ndarray:
+        """Raw data with the row permutation applied (still encoded)."""
+        return self.raw if self.row_perm is None else self.raw[self.row_perm]
+
+    def float32(self) -> np.ndarray:
+        """Exact dequantization to float32, in logical shape."""
+        raw = self.rows()
+        if self.qtype == "F32":
+            out = np.asarray(raw, dtype=np.float32)
+        elif self.qtype == "F16":
+            out = np.asarray(raw).astype(np.float32)
+        elif self.qtype == "BF16":
+            out = (np.asarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            import gguf  # the reference dequantizer (ggml-quants.c semantics)
+            out = gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[self.qtype])
+        return np.ascontiguousarray(out.reshape(self.shape))
+
+
+@dataclass
+class TokenizerSource:
+    tokenizer_json: str | None = None          # contents of tokenizer.json (HF)
+    gguf_vocab: dict | None = None             # tokens/merges/types/pre from GGUF metadata
+    chat_template: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos_token: bool = False
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, SourceTensor]   # canonical names, see _canonical_* below
+    tokenizer: TokenizerSource
+    source: str
+    file_type: str = ""                # dominant tensor type, for the build summary
+    extra: dict = field(default_factory=dict)
+
+    def tensor(self, name: str) -> SourceTensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
+        return self.tensors[name]
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf(path)
+    if path.suffix == ".gguf" and path.exists():
+        return _load_gguf(path)
+    raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directory: config.json + *.safetensors + tokenizer.json + tokenizer_config.json
+
+
+def _load_hf(d: Path) -> Checkpoint:
+    cfg_path = d / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{d}: no config.json")
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    arch = HF_ARCHITECTURES.get(archs[0]) or (cfg.get("model_type") if cfg.get("model_type") in SUPPORTED_ARCHITECTURES else None)
+    if arch is None:
+        raise CheckpointError(f"{d}: unsupported architecture {archs[0]!r}; supported: "
+                              f"{sorted(HF_ARCHITECTURES)}")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    tok_cfg = _read_json(d / "tokenizer_config.json")
+    gen_cfg = _read_json(d / "generation_config.json")
+    if isinstance(gen_cfg.get("eos_token_id"), (int, list)):
+        g = gen_cfg["eos_token_id"]
+        eos_ids = tuple(dict.fromkeys(eos_ids + (tuple(g) if isinstance(g, list) else (g,))))
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        rope_scaling=cfg.get("rope_scaling"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    tensors: dict[str, SourceTensor] = {}
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{d}: no *.safetensors files")
+    for f in files:
+        for name, t in _read_safetensors(f).items():
+            canon = _canonical_hf(name)
+            if canon is not None:
+                tensors[canon] = t
+    if "lm_head" not in tensors and not config.tie_word_embeddings:
+        raise CheckpointError(f"{d}: no lm_head.weight and tie_word_embeddings is false")
+    tok_json = d / "tokenizer.json"
+    if not tok_json.exists():
+        raise CheckpointError(f"{d}: no tokenizer.json")
+    template = tok_cfg.get("chat_template")
+    if template is None and (d / "chat_template.jinja").exists():
+        template = (d / "chat_template.jinja").read_text()
+    tokenizer = TokenizerSource(
+        tokenizer_json=tok_json.read_text(), chat_template=template,
+        bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
+        add_bos_token=bool(tok_cfg.get("add_bos_token", False)))
+    types = {t.qtype for t in tensors.values()}
+    return Checkpoint(config, tensors, tokenizer, str(d), file_type="/".join(sorted(types)))
+
+
+def _read_json(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+_ST_DTYPES = {"F32": ("F32", np.float32), "F16": ("F16", np.float16), "BF16": ("BF16", np.uint16)}
+
+
+def _read_safetensors(path: Path) -> dict[str, SourceTensor]:
+    """Memory-map a .safetensors file (parsed here so BF16 needs no torch)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        qtype, dt = _ST_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        arr = data[start:end].view(dt).reshape(info["shape"])
+        out[name] = SourceTensor(name, qtype, tuple(info["shape"]), arr)
+    return out
+
+
+def _canonical_hf(name: str) -> str | None:
+    if name == "model.embed_tokens.weight":
+        return "embed"
+    if name == "model.norm.weight":
+        return "norm"
+    if name == "lm_head.weight":
+        return "lm_head"
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
+        i, rest = parts[2], ".".join(parts[3:])
+        table = {
+            "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+            "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
+            "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o",
+            "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+            "self_attn.v_proj.bias": "v_bias",
+            "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
+            "mlp.down_proj.weight": "down",
+        }
+        if rest in table:
+            return f"layers.{i}.{table[rest]}"
+        if rest.endswith("rotary_emb.inv_freq"):
+            return None
+    raise CheckpointError(f"unexpected tensor {name!r} in checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF file (llama.cpp)
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
+    "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+}
+
+
+def _load_gguf(path: Path) -> Checkpoint:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+
+    def meta(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = meta("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"{path.name}: unsupported architecture {arch!r}; supported: "
+                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    heads = int(meta(f"{arch}.attention.head_count"))
+    hidden = int(meta(f"{arch}.embedding_length"))
+    tokens = meta("tokenizer.ggml.tokens")
+    tensors: dict[str, SourceTensor] = {}
+    types: dict[str, int] = {}
+    for t in r.tensors:
+        qtype = t.tensor_type.name
+        canon = _canonical_gguf(t.name)
+        if canon is None:
+            continue
+        if qtype not in FLOAT_TYPES and qtype not in BLOCK_TYPES:
+            raise CheckpointError(f"{path.name}: tensor {t.name} has quantization type {qtype}, "
+                                  f"which is not supported (supported: "
+                                  f"{sorted(FLOAT_TYPES | BLOCK_TYPES)})")
+        shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF lists ne0 (inner) first
+        tensors[canon] = SourceTensor(canon, qtype, shape, t.data)
+        types[qtype] = types.get(qtype, 0) + 1
+    num_kv = int(meta(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
+    vocab = int(meta(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    rope_scaling = None
+    if meta(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta(f"{arch}.rope.scaling.factor"))}
+    eos = meta("tokenizer.ggml.eos_token_id")
+    eot = meta("tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        num_layers=int(meta(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="lm_head" not in tensors,
+        attention_bias="layers.0.q_bias" in tensors,
+        rope_scaling=rope_scaling,
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    if arch in ("llama", "mistral", "smollm"):
+        # llama.cpp's converter interleaves Q/K rows for its rotary layout; undo it so the
+        # HF "rotate_half" formulation applies (convert_hf_to_gguf.py LlamaModel.permute).
+        for i in range(config.num_layers):
+            for name, nh in (("q", config.num_heads), ("k", config.num_kv_heads)):
+                for suffix in ("", "_bias"):
+                    key = f"layers.{i}.{name}{suffix}"
+                    if key in tensors:
+                        tensors[key].row_perm = _unpermute_rows(nh, config.head_dim)
+    if tokens is None:
+        raise CheckpointError(f"{path.name}: no tokenizer in GGUF metadata")
+    tokenizer = TokenizerSource(
+        gguf_vocab={
+            "model": meta("tokenizer.ggml.model"), "pre": meta("tokenizer.ggml.pre"),
+            "tokens": list(tokens), "merges": list(meta("tokenizer.ggml.merges") or []),
+            "token_types": [int(x) for x in meta("tokenizer.ggml.token_type")],
+        },
+        chat_template=meta("tokenizer.chat_template"),
+        bos_token_id=config.bos_token_id, eos_token_ids=eos_ids,
+        add_bos_token=bool(meta("tokenizer.ggml.add_bos_token", False)))
+    dominant = max(types.items(), key=lambda kv: kv[1])[0]
+    return Checkpoint(config, tensors, tokenizer, str(path), file_type=dominant)
+
+
+def _canonical_gguf(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "embed"
+    if name == "output_norm.weight":
+        return "norm"
+    if name == "output.weight":
+        return "lm_head"
+    if name in ("rope_freqs.weight",):
+        raise CheckpointError(f"tensor {name}: per-dimension rope frequencies are not supported")
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4:
+        i, base, kind = parts[1], parts[2], parts[3]
+        if base in _GGUF_LAYER_NAMES:
+            canon = _GGUF_LAYER_NAMES[base]
+            return f"layers.{i}.{canon}" + ("_bias" if kind == "bias" else "")
+    raise CheckpointError(f"unexpected tensor {name!r} in GGUF")
+
+
+def _unpermute_rows(num_heads: int, head_dim: int) -> np.ndarray:
+    """Row order that maps llama.cpp's interleaved rotary rows back to HF's half-split rows."""
+    idx = np.arange(num_heads * head_dim)
+    return idx.reshape(num_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)

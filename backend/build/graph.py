@@ -1,0 +1,280 @@
+"""ONNX decoder graph for Llama-family models, written directly with onnx.helper.
+
+Inputs (B = sequences, T = new tokens per sequence, P = cached columns, S = P + T):
+    input_ids      [B, T] int64
+    position_ids   [B, T] int64     rotary positions (prefix length + tree depth)
+    attn_bias      [B, T, S] float  additive 0 / -1e30: any token tree, padding, per-row masks
+    logits_index   [B, R] int64     which of the T rows get logits (R = 1 for prefill)
+    past_key_i / past_value_i  [B, Hkv, P, D] float
+Outputs:
+    logits [B, R, V], hidden [B, T, H] (final-norm features for feature drafters),
+    present_key_i / present_value_i  [B, Hkv, S, D]
+
+Why standard ops rather than com.microsoft.GroupQueryAttention: GQA refuses B > 1 with T > 1
+and past context on CPU (batched tree verification needs exactly that), and its T = 1 kernel
+path is not batch invariant. The attention here is written so that the logits of a token do
+not depend on where its keys sit in the row (see docs/architecture.md, "batch invariance"):
+  * masked columns contribute exact zeros (exp(-1e30 - m) == 0, 0 * v == 0),
+  * the softmax denominator is summed in float64, so lane order cannot change its rounding,
+  * exp(s - m) @ V accumulates columns in order, and a tree path's columns keep their order.
+Knows: graph wiring and weight placement. Does not know: checkpoint formats (checkpoint.py) or
+block encodings (quant.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from backend.build import quant
+from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
+from backend.manifest import ModelConfig, WeightFormat
+
+OPSET = 17
+MASK_VALUE = -1e30
+ACCURACY_LEVEL = 4   # int8 activations: the only fast MatMulNBits path on AVX2 (cpu-engine.md §4)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    weights: WeightFormat
+    num_layers: int          # <= config.num_layers (self-draft: first N layers + final head)
+    max_positions: int       # size of the rotary tables
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._consts: dict[tuple, str] = {}
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def i64(self, *values: int) -> str:
+        key = ("i64",) + values
+        if key not in self._consts:
+            self._consts[key] = self.init(f"const_i64_{len(self._consts)}", np.array(values, np.int64))
+        return self._consts[key]
+
+    def f32(self, value: float) -> str:
+        key = ("f32", value)
+        if key not in self._consts:
+            self._consts[key] = self.init(f"const_f32_{len(self._consts)}", np.array(value, np.float32))
+        return self._consts[key]
+
+    def op(self, op_type: str, inputs: list[str], hint: str | None = None, n_out: int = 1,
+           domain: str | None = None, outputs: list[str] | None = None, **attrs):
+        outs = outputs or [self.name(hint or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name("n_" + op_type),
+                                           domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+
+def rope_tables(cfg: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2], computed in float32 as transformers does."""
+    d = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64)
+                                                        .astype(np.float32) / np.float32(d))))
+    inv_freq = inv_freq.astype(np.float32)
+    pos = np.arange(max_positions, dtype=np.float32)
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        pass
+    elif kind == "linear":
+        pos = pos / np.float32(rs["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rs)
+    else:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    freqs = np.outer(pos, inv_freq).astype(np.float32)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, rs: dict) -> np.ndarray:
+    factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_ctx = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+class _Linear:
+    """Emits y = x @ W.T (+ b) for one weight format; shares per-block sums of a common input."""
+
+    def __init__(self, g: _Builder, fmt: WeightFormat):
+        self.g, self.fmt = g, fmt
+        self._block_sums: dict[tuple[str, int], str] = {}
+
+    def __call__(self, x: str, name: str, w, bias: np.ndarray | None = None) -> str:
+        g = self.g
+        if isinstance(w, list):
+            y = g.op("Concat", [self(x, f"{name}.{j}", part) for j, part in enumerate(w)], axis=-1)
+        elif isinstance(w, np.ndarray):
+            y = g.op("MatMul", [x, g.init(f"{name}.wT", np.ascontiguousarray(w.T.astype(np.float32)))],
+                     hint=name)
+        else:
+            n, k = w.ints.shape
+            packed, scales = quant.pack_matmul_nbits(w)
+            y = g.op("MatMulNBits", [x, g.init(f"{name}.qweight", packed), g.init(f"{name}.scales", scales)],
+                     hint=name, domain="com.microsoft", K=k, N=n, bits=w.bits,
+                     block_size=w.block_size, accuracy_level=ACCURACY_LEVEL)
+            if w.offset is not None:
+                # exact per-block offset: sum_b offset[n,b] * sum_{k in b} x[k]  (quant.py)
+                key = (x, w.block_size)
+                if key not in self._block_sums:
+                    r = g.op("Reshape", [x, g.i64(0, 0, k // w.block_size, w.block_size)])
+                    self._block_sums[key] = g.op("ReduceSum", [r, g.i64(-1)], keepdims=0)
+                corr = g.op("MatMul", [self._block_sums[key],
+                                       g.init(f"{name}.offsetT", np.ascontiguousarray(w.offset.T))])
+                y = g.op("Add", [y, corr])
+        if bias is not None:
+            y = g.op("Add", [y, g.init(f"{name}.bias", bias.astype(np.float32))])
+        return y
+
+
+def _weight(t: SourceTensor, fmt: WeightFormat, scale: float = 1.0, bits_for_float: int = 4):
+    """A linear weight [out, in] as float32 (fp32 engine) or Blocks (4-bit engine)."""
+    if fmt is WeightFormat.FP32:
+        w = t.float32()
+        return w * np.float32(scale) if scale != 1.0 else w
+    if t.qtype in BLOCK_TYPES:
+        b = quant.decode_blocks(t.qtype, t.rows())
+    else:
+        b = quant.quantize_rtn(t.float32(), bits=bits_for_float, block_size=32)
+    return b.scaled(scale) if scale != 1.0 else b
+
+
+def _cat(parts):
+    """Fuse weights along the output dimension; a list when block layouts differ (Q4_K_M files
+    mix Q4_K and Q6_K), which the linear then emits as separate nodes joined by a Concat."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=0)
+    if len({(p.bits, p.block_size) for p in parts}) == 1:
+        return quant.concat_rows(parts)
+    return list(parts)
+
+
+def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.ModelProto:
+    cfg = ckpt.config
+    g = _Builder()
+    lin = _Linear(g, spec.weights)
+    nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    grp = cfg.num_groups
+    qscale = 1.0 / float(np.sqrt(d))   # folded into Wq (and bq)
+
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
+        helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]),
+        helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
+        helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h]),
+    ]
+    embed = ckpt.tensor("embed")
+    x = g.op("Gather", [g.init("embed", embed.float32()), "input_ids"], hint="embeds")
+    cos_t, sin_t = rope_tables(cfg, spec.max_positions)
+    cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
+    sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
+    # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
+    bias = g.op("Unsqueeze", [g.op("Concat", ["attn_bias"] * grp, axis=1) if grp > 1 else "attn_bias",
+                              g.i64(1)])
+
+    def rmsnorm(v: str, weight: SourceTensor) -> str:
+        # The exact pattern ORT fuses into SimplifiedLayerNormalization.
+        var = g.op("ReduceMean", [g.op("Pow", [v, g.f32(2.0)])], axes=[-1], keepdims=1)
+        std = g.op("Sqrt", [g.op("Add", [var, g.f32(cfg.rms_norm_eps)])])
+        return g.op("Mul", [g.op("Div", [v, std]), g.init(g.name(weight.name), weight.float32())])
+
+    for i in range(spec.num_layers):
+        t = lambda n: ckpt.tensor(f"layers.{i}.{n}")
+        has = lambda n: f"layers.{i}.{n}" in ckpt.tensors
+        past_k, past_v = f"past_key_{i}", f"past_value_{i}"
+        pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
+        for nm in (past_k, past_v):
+            inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
+        for nm in (pres_k, pres_v):
+            outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
+
+        hn = rmsnorm(x, t("attn_norm"))
+        wqkv = _cat([_weight(t("q"), spec.weights, qscale), _weight(t("k"), spec.weights),
+                     _weight(t("v"), spec.weights)])
+        bqkv = None
+        if cfg.attention_bias and has("q_bias"):
+            bqkv = np.concatenate([t("q_bias").float32() * np.float32(qscale),
+                                   t("k_bias").float32(), t("v_bias").float32()])
+        qkv = g.op("Reshape", [lin(hn, f"l{i}.qkv", wqkv, bqkv), g.i64(0, 0, nh + 2 * nkv, d)])
+        qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
+        # rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at once
+        x1, x2 = g.op("Split", [qk, g.i64(d // 2, d // 2)], n_out=2, axis=3)
+        r1 = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
+        r2 = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
+        q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(nh, nkv)], n_out=2, axis=2)
+        q = g.op("Reshape", [g.op("Transpose", [q], perm=[0, 2, 1, 3]), g.i64(0, nkv, -1, d)])
+        k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
+        v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
+        g.op("Concat", [past_k, k], axis=2, outputs=[pres_k])
+        g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
+        scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
+        s = g.op("Add", [scores, bias])                               # [B, Hkv, G*T, S]
+        e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
+        z = g.op("Cast", [g.op("ReduceSum", [g.op("Cast", [e], to=TensorProto.DOUBLE), g.i64(-1)],
+                               keepdims=1)], to=TensorProto.FLOAT)
+        o = g.op("Div", [g.op("MatMul", [e, pres_v]), z])             # [B, Hkv, G*T, D]
+        o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
+                                  perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
+        x = g.op("Add", [x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights))])
+
+        hn = rmsnorm(x, t("mlp_norm"))
+        wgu = _cat([_weight(t("gate"), spec.weights), _weight(t("up"), spec.weights)])
+        gate, up = g.op("Split", [lin(hn, f"l{i}.gate_up", wgu),
+                                  g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        x = g.op("Add", [x, lin(act, f"l{i}.down", _weight(t("down"), spec.weights))])
+        if progress is not None:
+            progress(1)
+
+    hidden = rmsnorm(x, ckpt.tensor("norm"))
+    g.op("Identity", [hidden], outputs=["hidden"])
+    rows = g.op("GatherND", [hidden, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
+    head = ckpt.tensors.get("lm_head", embed)
+    if spec.weights is WeightFormat.FP32:
+        head_w = head.float32()
+    elif head.qtype in BLOCK_TYPES:
+        head_w = quant.decode_blocks(head.qtype, head.rows())
+    else:
+        head_w = quant.quantize_rtn(head.float32(), bits=8, block_size=32)
+    g.op("Identity", [lin(rows, "lm_head", head_w)], outputs=["logits"])
+
+    graph = helper.make_graph(g.nodes, "specdec_decoder", inputs, outputs, g.inits)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
+    model.ir_version = 8
+    return model
+
+
+def save_model(model: onnx.ModelProto, path) -> int:
+    """Save with weights in one external data file (no 2 GB protobuf limit). Returns bytes."""
+    from pathlib import Path
+
+    path = Path(path)
+    data = path.with_suffix(".onnx.data")
+    if data.exists():
+        data.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    return path.stat().st_size + data.stat().st_size

@@ -1,0 +1,195 @@
+"""The build: checkpoint -> ONNX engines + tokenizer + manifest -> filled model repository.
+
+CLI -> BuildConfig -> build() -> EngineManifest (on disk) -> config.pbtxt files.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.build import checkpoint as ckpt_mod
+from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.build.templates import fill_repository
+from backend.manifest import DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
+
+ENGINE_SUBDIR = "specdec/engine"     # inside the model repository, shared by all models
+
+
+class BuildError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    target: str | None                       # checkpoint path; None = embedded default
+    output: Path                             # model repository to fill
+    device: Device = Device.CPU
+    weights: tuple[WeightFormat, ...] = (WeightFormat.FP32, WeightFormat.Q4)
+    default_format: WeightFormat | None = None   # serving format; None = first of `weights`
+    drafts: tuple[str, ...] = ()             # "PATH" | "self:N" | "eagle:DIR"
+    max_seq_len: int = 2048
+    max_batch_size: int = 64
+    check_invariance: bool = True
+    quiet: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", disable=quiet, file=sys.stderr, leave=False)
+
+
+def _tool_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("specdec", "onnx", "onnxruntime", "gguf", "tokenizers", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def build(cfg: BuildConfig) -> EngineManifest:
+    if cfg.device is not Device.CPU:
+        raise BuildError("--device gpu: TensorRT engines are not part of this release (no GPU "
+                         "toolchain is bundled); build with --device cpu")
+    t_start = time.time()
+    log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
+    source = cfg.target
+    if source is None:
+        from backend.build.embedded import default_gguf
+
+        source = str(default_gguf())
+        log(f"target: embedded default {source}")
+    engine_dir = Path(cfg.output) / ENGINE_SUBDIR
+    engine_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.time()
+    ck = ckpt_mod.load_checkpoint(source)
+    log(f"loaded {ck.config.architecture} ({ck.config.num_layers} layers, vocab "
+        f"{ck.config.vocab_size}, {ck.file_type}) in {time.time() - t0:.1f}s")
+    max_seq = min(cfg.max_seq_len, ck.config.max_position_embeddings)
+
+    engines: dict[str, EngineFile] = {}
+    timings: dict[str, float] = {}
+    for fmt in cfg.weights:
+        t0 = time.time()
+        engines[fmt.value] = _export(ck, fmt, ck.config.num_layers, max_seq, engine_dir,
+                                     f"target_{fmt.value}", cfg.quiet)
+        timings[fmt.value] = time.time() - t0
+
+    tok_path = engine_dir / "tokenizer.json"
+    from backend.tokenizer import tokenizer_json_from_gguf
+
+    tok_json = ck.tokenizer.tokenizer_json or tokenizer_json_from_gguf(ck.tokenizer.gguf_vocab)
+    tok_path.write_text(tok_json)
+    (engine_dir / "tokenizer_meta.json").write_text(json.dumps(
+        {"add_bos_token": ck.tokenizer.add_bos_token}) + "\n")
+
+    drafts: dict[str, DraftEntry] = {}
+    for spec in cfg.drafts:
+        name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log)
+        drafts[name] = entry
+
+    manifest = EngineManifest(
+        model=ck.config, engines=engines,
+        default_format=cfg.default_format or cfg.weights[0],
+        device=cfg.device, max_seq_len=max_seq, tokenizer_path="tokenizer.json",
+        chat_template=ck.tokenizer.chat_template, source=str(source),
+        tool_versions=_tool_versions(), drafts=drafts, root=engine_dir.resolve())
+    manifest.save(engine_dir)
+    if cfg.check_invariance:
+        from backend.build.check import measure_invariance
+
+        checked = {}
+        for key, ef in engines.items():
+            diff = measure_invariance(manifest, ef)
+            checked[key] = EngineFile(**{**ef.__dict__, "batch_invariant": diff == 0.0})
+            log(f"batch invariance {key}: max |logit diff| verify vs single steps = {diff:.3g}")
+        manifest = manifest.with_updates(engines=checked)
+        manifest.save(engine_dir)
+    written = fill_repository(Path(cfg.output), template_values(manifest, cfg))
+    _summary(manifest, engine_dir, written, timings, time.time() - t_start, log)
+    return EngineManifest.load(engine_dir)
+
+
+def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:
+    return {
+        "engine_dir": ENGINE_SUBDIR,
+        "max_batch_size": cfg.max_batch_size,
+        "default_format": m.default_format.value,
+        "max_seq_len": m.max_seq_len,
+        "drafts": ",".join(sorted(m.drafts)) or "none",
+        "default_drafter": cfg.extra.get("default_drafter", "auto"),
+    }
+
+
+def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Path, stem: str,
+            quiet: bool) -> EngineFile:
+    bar = _progress(num_layers, f"export {stem}", quiet)
+    model = build_decoder(ck, GraphSpec(fmt, num_layers, max_seq), progress=bar.update)
+    bar.close()
+    path = engine_dir / f"{stem}.onnx"
+    size = save_model(model, path)
+    return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=size,
+                      pad_single_token=fmt is WeightFormat.Q4)
+
+
+def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log):
+    if spec.startswith("self:"):
+        n = int(spec.split(":", 1)[1])
+        if not 0 < n < target.config.num_layers:
+            raise ValueError(f"--draft self:N needs 0 < N < {target.config.num_layers}, got {n}")
+        ef = _export(target, WeightFormat.Q4, n, max_seq, engine_dir, f"draft_self{n}_q4", quiet)
+        log(f"self-draft: first {n} layers + head, q4")
+        return f"self{n}", DraftEntry("self", ef.path, n, target.source,
+                                     {"weights": "q4", "pad_single_token": ef.pad_single_token})
+    if spec.startswith("eagle:"):
+        from backend.drafters.eagle_export import export_eagle_head
+
+        head_dir = Path(spec.split(":", 1)[1])
+        path = export_eagle_head(head_dir, target, engine_dir)
+        log(f"EAGLE head from {head_dir} -> {path.name}")
+        meta = json.loads((head_dir / "config.json").read_text())
+        return "eagle", DraftEntry("eagle", path.name, 1, str(head_dir), meta)
+    dck = ckpt_mod.load_checkpoint(spec)
+    if dck.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
+                         f"target's {target.config.vocab_size}; the draft must share the vocabulary")
+    fmt = WeightFormat.Q4 if dck.config.hidden_size % 32 == 0 else WeightFormat.FP32
+    stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
+    ef = _export(dck, fmt, dck.config.num_layers, max_seq, engine_dir, stem, quiet)
+    entry = DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
+                       {"weights": fmt.value, "pad_single_token": ef.pad_single_token,
+                        "model": dck.config.to_json()})
+    log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
+    return "model", entry
+
+
+def _summary(m: EngineManifest, engine_dir: Path, written, timings, total, log) -> None:
+    log("")
+    log("build summary")
+    log(f"  model      {m.model.architecture}, {m.model.num_layers} layers, hidden "
+        f"{m.model.hidden_size}, vocab {m.model.vocab_size}, max_seq_len {m.max_seq_len}")
+    for key, ef in m.engines.items():
+        inv = {True: "yes", False: "no", None: "not checked"}[ef.batch_invariant]
+        log(f"  engine     {key:5s} {ef.size_bytes / 1e6:8.1f} MB  {timings.get(key, 0):5.1f}s  "
+            f"batch-invariant: {inv}  {engine_dir / ef.path}")
+    for name, d in m.drafts.items():
+        log(f"  draft      {name}: {d.kind} {engine_dir / d.path}")
+    log(f"  default    {m.default_format.value}")
+    log(f"  manifest   {engine_dir / 'manifest.json'}")
+    for w in written:
+        log(f"  config     {w}")
+    log(f"  total      {total:.1f}s")
+
+
+def clean(output: Path) -> None:
+    shutil.rmtree(Path(output) / ENGINE_SUBDIR, ignore_errors=True)

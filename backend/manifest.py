@@ -1,0 +1,177 @@
+"""Engine manifest: the JSON written by `build_engines.py` beside the engines.
+
+It is the only truth at serve time: the runtime, the tokenizer and the Triton adapters read
+shapes, formats and paths from here and never re-derive them from checkpoints.
+Knows: model architecture numbers, engine files per weight format, tokenizer location, tool
+versions. Does not know: anything about requests or speculation policy (see config.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class WeightFormat(str, enum.Enum):
+    FP32 = "fp32"  # exact: every weight dequantized to float32
+    Q4 = "q4"      # 4-bit MatMulNBits; GGUF blocks repacked exactly (see build/quant.py)
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture numbers of a Llama-family decoder (Llama, SmolLM, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False          # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: dict | None = None      # HF rope_scaling dict ("linear" or "llama3"), or None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
+        assert self.head_dim % 2 == 0, self.head_dim
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineFile:
+    """One compiled decoder graph."""
+
+    path: str                 # relative to the manifest's directory
+    weights: WeightFormat
+    num_layers: int           # < model.num_layers for a self-draft made of the first N layers
+    size_bytes: int
+    # True when a T-token verify forward gives bitwise the logits of T single steps (measured
+    # at build time by build/check.py); decides whether greedy speculation is token-identical.
+    batch_invariant: bool | None = None
+    pad_single_token: bool = False   # run T=1 steps as T=2 (keeps 4-bit kernels on one path)
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """A drafter that needs files: a separate draft model, a self-draft or an EAGLE head."""
+
+    kind: str                 # "model" | "self" | "eagle"
+    path: str                 # engine file (relative), or head directory
+    num_layers: int = 0
+    source: str = ""          # where it came from (checkpoint path or head dir)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    model: ModelConfig
+    engines: dict[str, EngineFile]          # weight format value -> engine
+    default_format: WeightFormat            # the format serving uses (for speculation)
+    device: Device
+    max_seq_len: int
+    tokenizer_path: str                     # tokenizer.json, relative
+    chat_template: str | None
+    source: str                             # the checkpoint it was built from
+    tool_versions: dict[str, str]
+    drafts: dict[str, DraftEntry] = field(default_factory=dict)
+    cost_model: dict | None = None          # measured forward costs (scheduler.CostModel)
+    version: int = MANIFEST_VERSION
+    root: Path | None = None                # directory the manifest was loaded from (not saved)
+
+    def engine(self, fmt: WeightFormat | str | None = None) -> EngineFile:
+        key = WeightFormat(fmt or self.default_format).value
+        if key not in self.engines:
+            raise KeyError(f"engine format {key!r} was not built; built: {sorted(self.engines)}")
+        return self.engines[key]
+
+    def resolve(self, rel: str) -> Path:
+        assert self.root is not None, "manifest was not loaded from disk"
+        return (self.root / rel).resolve()
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "model": self.model.to_json(),
+            "engines": {k: _enum_dict(v) for k, v in self.engines.items()},
+            "default_format": self.default_format.value,
+            "device": self.device.value,
+            "max_seq_len": self.max_seq_len,
+            "tokenizer_path": self.tokenizer_path,
+            "chat_template": self.chat_template,
+            "source": self.source,
+            "tool_versions": self.tool_versions,
+            "drafts": {k: dataclasses.asdict(v) for k, v in self.drafts.items()},
+            "cost_model": self.cost_model,
+        }
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    def with_updates(self, **changes) -> "EngineManifest":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "EngineManifest":
+        directory = Path(directory)
+        path = directory / MANIFEST_NAME if directory.is_dir() else directory
+        if not path.exists():
+            raise FileNotFoundError(f"no engine manifest at {path}; run `specdec build` first")
+        d = json.loads(path.read_text())
+        if d.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
+                             "rebuild the engines with `specdec build`")
+        engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"])})
+                   for k, v in d["engines"].items()}
+        return cls(
+            model=ModelConfig.from_json(d["model"]),
+            engines=engines,
+            default_format=WeightFormat(d["default_format"]),
+            device=Device(d["device"]),
+            max_seq_len=int(d["max_seq_len"]),
+            tokenizer_path=d["tokenizer_path"],
+            chat_template=d.get("chat_template"),
+            source=d.get("source", ""),
+            tool_versions=d.get("tool_versions", {}),
+            drafts={k: DraftEntry(**v) for k, v in d.get("drafts", {}).items()},
+            cost_model=d.get("cost_model"),
+            root=path.parent.resolve(),
+        )
+
+
+def _enum_dict(obj) -> dict:
+    d = dataclasses.asdict(obj)
+    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in d.items()}

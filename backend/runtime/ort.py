@@ -1,0 +1,224 @@
+"""CPU runtime: one ONNX Runtime session over a decoder graph from build/graph.py.
+
+KV storage lives here as numpy arrays that ORT reads and writes in place through IOBinding:
+a batch group keeps, per layer, two flat buffers; the past is a view of one, and ORT's Concat
+writes the present (past + T new columns) straight into a view of the other, which becomes the
+next past. No KV is copied between steps except by that Concat; garbage columns of rejected
+tree nodes are masked (kv_cache.py) and squeezed out now and then. Sequences that are run
+together share a group; a forward over a different set of sequences regroups them (one copy).
+Knows: ORT sessions, IOBinding, KV storage. Does not know: sampling, drafting, requests.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from backend.kv_cache import PAD_PARENT, KVLayout
+from backend.manifest import ModelConfig
+from backend.runtime.base import ForwardOutput
+
+
+def session_options(threads: int, spinning: bool):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    so.log_severity_level = 3
+    return so
+
+
+class _Grow:
+    """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost)."""
+
+    __slots__ = ("flat",)
+
+    def __init__(self):
+        self.flat = np.empty(0, np.float32)
+
+    def view(self, shape) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self.flat.size < n:
+            self.flat = np.empty(n + n // 4 + 4096, np.float32)
+        return self.flat[:n].reshape(shape)
+
+
+class _Group:
+    """Sequences that share KV arrays, in row order."""
+
+    def __init__(self, seq_ids: list[int], layout: KVLayout, num_arrays: int):
+        self.seq_ids = list(seq_ids)
+        self.layout = layout
+        self.store = [(_Grow(), _Grow()) for _ in range(num_arrays)]   # ping-pong per array
+        self.cur = 0
+        self.kv: list[np.ndarray] = []      # [2 * layers] current past views [B, Hkv, L, D]
+        self.dead: set[int] = set()
+
+    def next_views(self, shape) -> list[np.ndarray]:
+        """Views of the spare buffers, where the next present is written."""
+        return [pair[1 - self.cur].view(shape) for pair in self.store]
+
+    def swap(self, presents: list[np.ndarray]) -> None:
+        self.kv = presents
+        self.cur = 1 - self.cur
+
+    def row(self, seq_id: int) -> int:
+        return self.seq_ids.index(seq_id)
+
+    def live_ids(self) -> list[int]:
+        return [s for s in self.seq_ids if s not in self.dead]
+
+
+class OrtRuntime:
+    def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int,
+                 max_seq_len: int, threads: int | None = None, spinning: bool = True,
+                 pad_single_token: bool = False):
+        import onnxruntime as ort
+
+        self.config = config
+        self.num_layers = num_layers
+        self.max_seq_len = max_seq_len
+        self.pad_single_token = pad_single_token
+        threads = threads or int(os.environ.get("SPECDEC_THREADS", "0")) or min(2, os.cpu_count() or 1)
+        self.session = ort.InferenceSession(str(engine_path), session_options(threads, spinning),
+                                            providers=["CPUExecutionProvider"])
+        self._io = self.session.io_binding()
+        self._groups: list[_Group] = []
+        self._where: dict[int, _Group] = {}
+        self._logits = _Grow()
+        self._hidden = _Grow()
+        self._lock = threading.Lock()   # one forward at a time; state is not thread safe
+        self._kv_shape = (config.num_kv_heads, config.head_dim)
+
+    # --- sequences ---------------------------------------------------------------------------
+    def alloc(self, seq_id: int) -> None:
+        assert seq_id not in self._where, f"sequence {seq_id} already allocated"
+        hkv, d = self._kv_shape
+        g = _Group([seq_id], KVLayout(1), 2 * self.num_layers)
+        g.swap(g.next_views((1, hkv, 0, d)))
+        self._groups.append(g)
+        self._where[seq_id] = g
+
+    def free(self, seq_id: int) -> None:
+        g = self._where.pop(seq_id, None)
+        if g is None:
+            return
+        g.dead.add(seq_id)
+        if not g.live_ids():
+            self._groups.remove(g)
+
+    def length(self, seq_id: int) -> int:
+        g = self._where[seq_id]
+        return int(g.layout.lengths[g.row(seq_id)])
+
+    def num_sequences(self) -> int:
+        return len(self._where)
+
+    # --- forward / commit --------------------------------------------------------------------
+    def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
+                logits_index: np.ndarray) -> ForwardOutput:
+        b, t = input_ids.shape                           # [B, T] int64
+        assert parents.shape == (b, t), (parents.shape, (b, t))
+        assert logits_index.ndim == 2 and logits_index.shape[0] == b, logits_index.shape
+        if self.pad_single_token and b * t == 1:
+            # keep 4-bit kernels on their M >= 2 path (cpu-engine.md §7): add one padding node
+            out = self.forward(seq_ids, np.concatenate([input_ids, input_ids], 1),
+                               np.array([[parents[0, 0], PAD_PARENT]], np.int32), logits_index)
+            return ForwardOutput(out.logits, out.hidden[:, :1])
+        with self._lock:
+            g = self._group_for(seq_ids)
+            bias, positions = g.layout.forward_inputs(parents)
+            if positions.max() >= self.max_seq_len:
+                raise ValueError(f"sequence too long: position {int(positions.max())} >= "
+                                 f"max_seq_len {self.max_seq_len}")
+            cols = g.layout.num_cols
+            hkv, d = self._kv_shape
+            io = self._io
+            io.clear_binding_inputs()
+            io.clear_binding_outputs()
+            self._bind_in(io, "input_ids", np.ascontiguousarray(input_ids, np.int64))
+            self._bind_in(io, "position_ids", positions)
+            self._bind_in(io, "attn_bias", bias)
+            self._bind_in(io, "logits_index", np.ascontiguousarray(logits_index, np.int64))
+            presents = g.next_views((b, hkv, cols + t, d))
+            for j, pres in enumerate(presents):
+                kind, layer = ("key" if j % 2 == 0 else "value"), j // 2
+                self._bind_in(io, f"past_{kind}_{layer}", g.kv[j])
+                self._bind_out(io, f"present_{kind}_{layer}", pres)
+            logits = self._logits.view((b, logits_index.shape[1], self.config.vocab_size))
+            hidden = self._hidden.view((b, t, self.config.hidden_size))
+            self._bind_out(io, "logits", logits)
+            self._bind_out(io, "hidden", hidden)
+            self.session.run_with_iobinding(io)
+            g.swap(presents)                           # the present is the next past
+            g.layout.append(t)
+            return ForwardOutput(logits, hidden)
+
+    def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
+        with self._lock:
+            g = self._where[seq_ids[0]]
+            for sid, nodes in zip(seq_ids, keep):
+                assert self._where[sid] is g, "commit must follow a forward over the same sequences"
+                g.layout.commit(g.row(sid), nodes)
+            if g.layout.needs_compaction() or g.dead:
+                self._regroup(g.live_ids())
+
+    # --- grouping ----------------------------------------------------------------------------
+    def _group_for(self, seq_ids: list[int]) -> _Group:
+        for s in seq_ids:
+            if s not in self._where:
+                raise KeyError(f"sequence {s} is not allocated")
+        g = self._where[seq_ids[0]]
+        if g.seq_ids == list(seq_ids) and not g.dead:
+            return g
+        return self._regroup(list(seq_ids))
+
+    def _regroup(self, seq_ids: list[int]) -> _Group:
+        """Copy the committed columns of seq_ids (from wherever they live) into a new group."""
+        lengths = np.array([self.length(s) for s in seq_ids], np.int64)
+        layout = KVLayout(len(seq_ids), lengths)
+        ncols = layout.num_cols
+        src = []
+        for s in seq_ids:
+            g = self._where[s]
+            r = g.row(s)
+            src.append((g, r, g.layout.columns(r)))
+        hkv, d = self._kv_shape
+        new = _Group(seq_ids, layout, 2 * self.num_layers)
+        kv = new.next_views((len(seq_ids), hkv, ncols, d))
+        for j, dst in enumerate(kv):
+            dst.fill(0.0)                     # padding must be finite: masked weight 0 * v == 0
+            for r, (g, gr, cols) in enumerate(src):
+                dst[r, :, : cols.size] = g.kv[j][gr][:, cols]
+        new.swap(kv)
+        for s in seq_ids:
+            old = self._where[s]
+            old.dead.add(s)
+            if not old.live_ids() and old in self._groups:
+                self._groups.remove(old)
+            self._where[s] = new
+        self._groups.append(new)
+        return new
+
+    # --- binding helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _bind_in(io, name: str, arr: np.ndarray) -> None:
+        import onnxruntime as ort
+
+        io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+
+    @staticmethod
+    def _bind_out(io, name: str, arr: np.ndarray) -> None:
+        assert arr.flags.c_contiguous and arr.dtype == np.float32, name
+        io.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
+
+    def close(self) -> None:
+        self._groups.clear()
+        self._where.clear()
+        self.session = None

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Compare specdec's decode speed against llama.cpp on the same GGUF model and prompts.
+
+Run with the project's main venv python:
+
+    python benchmarks/vs_llamacpp.py --gguf MODEL.gguf --prompts prompts.jsonl \
+        --max-new-tokens 64 --threads 2 --json out.json [--peer-only]
+
+Steps:
+  (a) make sure the peer virtualenv benchmarks/.peer-venv exists with a pinned
+      llama-cpp-python (built from source with cmake: several minutes on 2 cores;
+      llama.cpp's default GGML_NATIVE=ON compiles with -march=native, so it uses
+      AVX2/AVX-512 where the CPU has them). Extra CMake flags can be passed through the
+      CMAKE_ARGS environment variable, which pip's build picks up.
+  (b) run benchmarks/peer_llamacpp.py inside it and load its JSON;
+  (c) run our engine via run_ours() (skipped with --peer-only);
+  (d) print both, the ratio ours / llama.cpp, and write a combined JSON.
+
+The orchestrator itself only uses the standard library (run_ours may import specdec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PEER_VENV = HERE / ".peer-venv"
+PEER_SCRIPT = HERE / "peer_llamacpp.py"
+# Pinned: this version built from source here (Python 3.11, gcc, cmake, 2 cores).
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+
+# --------------------------------------------------------------------------------------
+# (c) our engine
+# --------------------------------------------------------------------------------------
+
+
+def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
+    """Benchmark specdec on the same GGUF and prompts.
+
+    >>> PLACEHOLDER: filled in by the engine work. <<<
+
+    Must measure the same thing as peer_llamacpp.py so the ratio is meaningful:
+    same chat-template rendering (add_generation_prompt=True, no BOS), greedy
+    decoding of exactly `max_new_tokens` new tokens with EOS ignored, KV cache not
+    reused across prompts, one untimed warm-up generation first, and decode-only
+    throughput = (new tokens after the first) / (time after the first new token).
+
+    Returns:
+        {"decode_tokens_per_s": float,          # overall: total decode tokens / total decode time
+         "per_prompt": [{"id": str, "decode_tokens_per_s": float,
+                         "prefill_ms": float,      # optional
+                         "token_ids": [int, ...],  # optional: enables greedy-agreement check
+                         ...}, ...],
+         ...}                                    # optional extras (median_ms_per_token, ...)
+    """
+    raise NotImplementedError("filled in by the engine work")
+
+
+# --------------------------------------------------------------------------------------
+# (a) peer venv
+# --------------------------------------------------------------------------------------
+
+
+def peer_python(venv: Path = PEER_VENV) -> Path:
+    return venv / "bin" / "python"
+
+
+def installed_peer_version(venv: Path = PEER_VENV) -> str | None:
+    py = peer_python(venv)
+    if not py.exists():
+        return None
+    try:
+        out = subprocess.run(
+            [str(py), "-c", "import llama_cpp, numpy, jinja2; print(llama_cpp.__version__)"],
+            capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def ensure_peer_venv(base_python: str = "python3", version: str = LLAMA_CPP_PYTHON_VERSION,
+                     venv: Path = PEER_VENV) -> str:
+    """Create/repair the peer venv; returns the installed llama-cpp-python version."""
+    have = installed_peer_version(venv)
+    if have == version:
+        return have
+    if have is not None:
+        print(f"[vs] peer venv has llama-cpp-python {have}, want {version}: reinstalling", flush=True)
+    if not peer_python(venv).exists():
+        print(f"[vs] creating peer venv {venv} with {base_python}", flush=True)
+        subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ)
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    if env.get("CMAKE_ARGS"):
+        print(f"[vs] CMAKE_ARGS={env['CMAKE_ARGS']}", flush=True)
+    print(f"[vs] pip install llama-cpp-python=={version} (compiles llama.cpp; takes minutes)",
+          flush=True)
+    t = time.time()
+    subprocess.run([str(peer_python(venv)), "-m", "pip", "install", "--no-input",
+                    f"llama-cpp-python=={version}"], check=True, env=env)
+    print(f"[vs] peer build/install took {time.time() - t:.0f} s", flush=True)
+    have = installed_peer_version(venv)
+    if have != version:
+        raise RuntimeError(f"llama-cpp-python import check failed after install (got {have!r})")
+    return have
+
+
+# --------------------------------------------------------------------------------------
+# (b) peer run
+# --------------------------------------------------------------------------------------
+
+
+def run_peer(gguf: str, prompts: str, max_new_tokens: int, threads: int,
+             out_json: str, extra: list[str] | None = None) -> dict:
+    cmd = [str(peer_python()), str(PEER_SCRIPT), "--gguf", gguf, "--prompts", prompts,
+           "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
+           "--json", out_json, *(extra or [])]
+    print("[vs] " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(out_json, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------------------
+# (d) report
+# --------------------------------------------------------------------------------------
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(peer: dict, ours: dict | None) -> dict[str, Any]:
+    p_tps = peer["overall"]["decode_tokens_per_s"]
+    res: dict[str, Any] = {"llamacpp_decode_tokens_per_s": p_tps,
+                           "llamacpp_median_ms_per_token": peer["overall"].get("median_ms_per_token"),
+                           "ours_decode_tokens_per_s": None, "ratio_ours_over_llamacpp": None,
+                           "per_prompt": []}
+    ours_by_id = {}
+    if ours is not None:
+        o_tps = ours.get("decode_tokens_per_s")
+        res["ours_decode_tokens_per_s"] = o_tps
+        if o_tps and p_tps:
+            res["ratio_ours_over_llamacpp"] = o_tps / p_tps
+        ours_by_id = {str(r.get("id")): r for r in ours.get("per_prompt", [])}
+    for pr in peer["per_prompt"]:
+        row: dict[str, Any] = {"id": pr["id"], "kind": pr.get("kind"),
+                               "prompt_tokens": pr["prompt_tokens"],
+                               "llamacpp_prefill_ms": pr["prefill_ms"],
+                               "llamacpp_decode_tokens_per_s": pr["decode_tokens_per_s"]}
+        o = ours_by_id.get(str(pr["id"]))
+        if o is not None:
+            row["ours_prefill_ms"] = o.get("prefill_ms")
+            row["ours_decode_tokens_per_s"] = o.get("decode_tokens_per_s")
+            if o.get("decode_tokens_per_s") and pr["decode_tokens_per_s"]:
+                row["ratio"] = o["decode_tokens_per_s"] / pr["decode_tokens_per_s"]
+            if o.get("token_ids") is not None:
+                row["greedy_match_prefix"] = _common_prefix(o["token_ids"], pr["token_ids"])
+        res["per_prompt"].append(row)
+    return res
+
+
+def _f(x: Any, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_report(cmp: dict) -> None:
+    print()
+    hdr = (f"{'id':<28} {'p_tok':>6} {'lc_prefill_ms':>13} {'lc_tok/s':>9} "
+           f"{'our_prefill_ms':>14} {'our_tok/s':>9} {'ratio':>6} {'match':>5}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in cmp["per_prompt"]:
+        print(f"{str(r['id'])[:28]:<28} {r['prompt_tokens']:>6} {_f(r['llamacpp_prefill_ms']):>13} "
+              f"{_f(r['llamacpp_decode_tokens_per_s']):>9} {_f(r.get('ours_prefill_ms')):>14} "
+              f"{_f(r.get('ours_decode_tokens_per_s')):>9} {_f(r.get('ratio'), '.2f'):>6} "
+              f"{_f(r.get('greedy_match_prefix'), 'd'):>5}")
+    print("-" * len(hdr))
+    print(f"llama.cpp decode-only: {_f(cmp['llamacpp_decode_tokens_per_s'])} tok/s "
+          f"(median {_f(cmp['llamacpp_median_ms_per_token'], '.2f')} ms/token)")
+    print(f"ours      decode-only: {_f(cmp['ours_decode_tokens_per_s'])} tok/s")
+    print(f"ratio ours/llama.cpp : {_f(cmp['ratio_ours_over_llamacpp'], '.3f')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="specdec vs llama.cpp decode benchmark")
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", dest="json_out", default=None, help="combined JSON output")
+    ap.add_argument("--peer-only", action="store_true", help="only run llama.cpp")
+    ap.add_argument("--peer-python", default="python3",
+                    help="interpreter used to create the peer venv (default: python3)")
+    args = ap.parse_args(argv)
+
+    gguf = os.path.abspath(args.gguf)
+    prompts = os.path.abspath(args.prompts)
+    for p in (gguf, prompts):
+        if not os.path.exists(p):
+            ap.error(f"not found: {p}")
+    if shutil.which(args.peer_python) is None and not os.path.exists(args.peer_python):
+        ap.error(f"peer python not found: {args.peer_python}")
+
+    version = ensure_peer_venv(args.peer_python)
+    with tempfile.TemporaryDirectory(prefix="vs_llamacpp_") as td:
+        peer = run_peer(gguf, prompts, args.max_new_tokens, args.threads,
+                        os.path.join(td, "peer.json"))
+    sysinfo = peer["meta"].get("system_info", "")
+    if "AVX2 = 1" not in sysinfo:
+        print(f"[vs] WARNING: llama.cpp build does not report AVX2: {sysinfo}", file=sys.stderr)
+
+    ours = None
+    ours_error = None
+    if not args.peer_only:
+        try:
+            ours = run_ours(gguf, prompts, args.max_new_tokens)
+        except NotImplementedError as e:
+            ours_error = f"NotImplementedError: {e}"
+            print(f"[vs] run_ours not available ({e}); use --peer-only", file=sys.stderr)
+
+    cmp = compare(peer, ours)
+    print_report(cmp)
+    combined = {
+        "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+                   "threads": args.threads, "peer_only": args.peer_only,
+                   "llama_cpp_python_version": version},
+        "comparison": cmp,
+        "llamacpp": peer,
+        "ours": ours,
+        "ours_error": ours_error,
+    }
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(combined, f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        print(f"[vs] wrote {args.json_out}")
+    return 3 if ours_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
