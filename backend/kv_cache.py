@@ -84,6 +84,14 @@ class KVLayout:
             self.valid[row, cols] = True
         self.lengths[row] += nodes.size
 
+    def truncate(self, row: int, length: int) -> None:
+        """Forget committed columns of a row beyond its first `length` (a draft model rolling
+        back its own rejected tokens)."""
+        cols = self.columns(row)
+        assert 0 <= length <= cols.size, (length, cols.size)
+        self.valid[row, cols[length:]] = False
+        self.lengths[row] = length
+
     def garbage(self) -> int:
         """Columns every row pays attention for but that hold no committed token (worst row)."""
         return self.num_cols - int(self.lengths.min()) if self.num_rows else 0

@@ -9,6 +9,7 @@ only handles small host arrays: token ids, tree parents, accepted node lists.
                                       one pass over T new tokens per sequence (a token tree per
                                       row); their KV is pending until commit
     commit(seq_ids, keep)             keep the accepted nodes' KV, drop the rest
+    truncate(seq_id, length)          forget committed tokens beyond `length` (draft rollback)
 """
 from __future__ import annotations
 
@@ -41,5 +42,7 @@ class Runtime(Protocol):
                 logits_index: np.ndarray) -> ForwardOutput: ...
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None: ...
+
+    def truncate(self, seq_id: int, length: int) -> None: ...
 
     def close(self) -> None: ...

@@ -169,6 +169,11 @@ class OrtRuntime:
             if g.layout.needs_compaction() or g.dead:
                 self._regroup(g.live_ids())
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        with self._lock:
+            g = self._where[seq_id]
+            g.layout.truncate(g.row(seq_id), length)
+
     # --- grouping ----------------------------------------------------------------------------
     def _group_for(self, seq_ids: list[int]) -> _Group:
         for s in seq_ids:

@@ -1,0 +1,94 @@
+"""Typed configuration: per-request sampling parameters and per-server speculation settings.
+
+Config flows one way: CLI -> BuildConfig (build/pipeline.py) -> EngineManifest -> ServeConfig.
+Request parameters are plain Python scalars, converted once at the Triton boundary
+(triton_io.py) and validated here. Client mistakes raise `RequestError`, which names the field
+and is mapped to Triton INVALID_ARG.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A client mistake; `field` names the offending input."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class DrafterKind(str, enum.Enum):
+    NONE = "none"                    # plain decoding
+    PROMPT_LOOKUP = "prompt-lookup"  # n-gram match in prompt + generated text
+    DRAFT_MODEL = "draft-model"      # separate draft model or self-draft (first N layers)
+    EAGLE = "eagle"                  # trained feature-level draft head
+    AUTO = "auto"                    # the server's default drafter
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0         # 0 = greedy
+    top_k: int = 0                   # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_tokens_limit: int | None = None) -> "SamplingParams":
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise RequestError("temperature", f"must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p < 1.0):
+            raise RequestError("min_p", f"must be in [0, 1), got {self.min_p}")
+        if self.max_tokens < 1:
+            raise RequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
+            raise RequestError("max_tokens", f"must be <= {max_tokens_limit}, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise RequestError("random_seed", f"must be in [0, 2**64), got {self.seed}")
+        if any(not s for s in self.stop_strings):
+            raise RequestError("stop_words", "empty stop string")
+        return self
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How a server speculates (defaults for requests that do not say)."""
+
+    drafter: DrafterKind = DrafterKind.AUTO
+    auto_drafter: DrafterKind = DrafterKind.PROMPT_LOOKUP   # what AUTO means on this server
+    num_draft_tokens: int | None = None     # None = adaptive (cost model + acceptance)
+    max_draft_tokens: int = 8               # per-request overrides are clamped to this
+    max_tree_nodes: int = 16                # verified nodes per sequence per step (root excluded)
+    prompt_lookup_min_ngram: int = 2
+    prompt_lookup_max_ngram: int = 4
+    prompt_lookup_width: int = 2            # alternative continuations (tree branches)
+    draft_model: str | None = None          # manifest draft name for DRAFT_MODEL
+    draft_width: int = 1                    # siblings per depth for the draft model's tree
+
+    def resolve(self, kind: DrafterKind) -> DrafterKind:
+        return self.auto_drafter if kind is DrafterKind.AUTO else kind
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine_dir: str
+    weight_format: str | None = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_batch: int = 32                     # sequences verified in one forward
+    prefill_chunk: int = 512
+    threads: int | None = None
+    spinning: bool = True

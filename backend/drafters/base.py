@@ -1,0 +1,57 @@
+"""The Drafter protocol: everything that proposes token trees for the target to verify.
+
+A drafter proposes, per sequence, a `Draft`: a TokenTree whose root is the sequence's last token
+plus the drafted tokens and, for sampled drafts, the distribution q each node was drawn from.
+`max_tokens` bounds the drafted nodes (0 = propose nothing: a plain decoding step). After the
+target verified a step, `observe` tells the drafter which nodes were kept and gives the target's
+final-norm features of the kept nodes (EAGLE heads read them). A drafter keeps its own
+per-sequence state keyed by seq_id and must stay valid when a step proposes nothing (speculation
+switched off and on again by the controller).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from backend.config import SamplingParams
+from backend.sequence import SequenceState
+from backend.tree import TokenTree
+
+
+@dataclass
+class Draft:
+    tree: TokenTree
+    tokens: np.ndarray                     # [num_nodes] int64, tokens[0] = root (last token)
+    draft_probs: np.ndarray | None = None  # [num_nodes, V]: q node i was drawn from; None = point masses
+    without_replacement: bool = False      # siblings drawn without replacement from q
+
+    @classmethod
+    def empty(cls, root: int) -> "Draft":
+        return cls(TokenTree.chain(0), np.array([root], np.int64))
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.tree.num_nodes - 1
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden: bool      # wants the target's final-norm features in observe()
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise RequestError if this drafter cannot serve these parameters losslessly."""
+
+    def begin(self, seq: SequenceState, prompt_hidden: np.ndarray | None) -> None:
+        """A sequence was prefilled (prompt_hidden: [P, H] target features, if needed)."""
+
+    def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
+        """One Draft per sequence with at most max_tokens[i] drafted nodes."""
+
+    def observe(self, seq: SequenceState, draft: Draft, accepted_nodes: np.ndarray,
+                hidden: np.ndarray | None) -> None:
+        """Target verdict for a step: kept nodes (root first) and their features [n, H]."""
+
+    def end(self, seq: SequenceState) -> None:
+        """The sequence finished or was cancelled: free its state."""
