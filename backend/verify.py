@@ -76,31 +76,38 @@ def verify_tree(tree: TokenTree, tokens: np.ndarray, logits: np.ndarray, params:
     if params.greedy:
         return _verify_greedy(tree, tokens, logits)
     assert noise is not None, "sampled verification needs noise"
+    return verify_sampled(tree, tokens, lambda node: target_probs(logits[node], params), noise,
+                          draft_probs, without_replacement)
+
+
+def verify_sampled(tree: TokenTree, tokens: np.ndarray, target_p, noise: Noise,
+                   draft_probs: np.ndarray | None, without_replacement: bool) -> TreeVerdict:
+    """Recursive rejection sampling; target_p(node) -> [V] warped target probabilities."""
     node, path = 0, [0]
     while True:
-        p = target_probs(logits[node], params)
+        residual = target_p(node)
         children = tree.children[node]
-        chosen, residual = None, p
-        for c in children:
+        chosen = None
+        for i, c in enumerate(children):
             x = int(tokens[c])
             if draft_probs is None:
-                q = None                                             # point mass on x
-                q_x = 1.0
+                q, q_x = None, 1.0                                   # point mass on x
             else:
-                q = draft_probs[c].astype(np.float64)
-                if without_replacement:
+                q = draft_probs[c]
+                if without_replacement and i:
                     q = q.copy()
-                    for sib in children[: children.index(c)]:
-                        q[int(tokens[sib])] = 0.0
-                    q /= q.sum()
+                    q[tokens[children[:i]]] = 0.0
+                    mass = q.sum()
+                    if mass <= 0.0:
+                        continue                 # q_i has no mass left: x could not be drawn
+                    q /= mass
                 q_x = q[x]
             if q_x > 0.0 and noise.uniforms[c] * q_x < residual[x]:  # u < p_i(x) / q_i(x)
                 chosen = c
                 break
             residual = _residual(residual, q, x)
         if chosen is None:
-            final = sample(residual, noise.exponentials)
-            return _verdict(tokens, path, final, bonus=not children)
+            return _verdict(tokens, path, sample(residual, noise.exponentials), bonus=not children)
         path.append(chosen)
         node = chosen
 

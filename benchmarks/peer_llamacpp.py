@@ -63,12 +63,18 @@ import llama_cpp  # noqa: E402  (llama-cpp-python)
 # --------------------------------------------------------------------------------------
 
 _VERBOSE = False
+_LAST_SHOWN = False
 
 
 @llama_cpp.llama_log_callback
 def _log_cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover
-    # ggml_log_level: 0 NONE, 1 INFO, 2 WARN, 3 ERROR, 4 DEBUG, 5 CONT
-    if _VERBOSE or level in (2, 3):
+    # ggml_log_level (ggml.h of the pinned llama.cpp):
+    #   0 NONE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continuation of previous line)
+    global _LAST_SHOWN
+    show = _VERBOSE or level in (3, 4) or (level == 5 and _LAST_SHOWN)
+    if level != 5:
+        _LAST_SHOWN = show
+    if show:
         try:
             sys.stderr.write(text.decode("utf-8", errors="replace"))
         except Exception:

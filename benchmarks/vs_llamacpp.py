@@ -10,8 +10,13 @@ Steps:
   (a) make sure the peer virtualenv benchmarks/.peer-venv exists with a pinned
       llama-cpp-python (built from source with cmake: several minutes on 2 cores;
       llama.cpp's default GGML_NATIVE=ON compiles with -march=native, so it uses
-      AVX2/AVX-512 where the CPU has them). Extra CMake flags can be passed through the
-      CMAKE_ARGS environment variable, which pip's build picks up.
+      AVX2/AVX-512/VNNI where the CPU has them). On x86-64 we add CFLAGS/CXXFLAGS
+      "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16": this VM's CPU advertises AMX
+      and -march=native turns on ggml's AMX matmul path, which dies with SIGILL
+      (tileloadd) on the first forward pass here. Extra CMake flags can be passed
+      through the CMAKE_ARGS environment variable, which pip's build picks up.
+      The flags used are recorded in .peer-venv/specdec-peer-build.json; a venv
+      built with other flags/version is rebuilt.
   (b) run benchmarks/peer_llamacpp.py inside it and load its JSON;
   (c) run our engine via run_ours() (skipped with --peer-only);
   (d) print both, the ratio ours / llama.cpp, and write a combined JSON.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -37,6 +43,7 @@ PEER_VENV = HERE / ".peer-venv"
 PEER_SCRIPT = HERE / "peer_llamacpp.py"
 # Pinned: this version built from source here (Python 3.11, gcc, cmake, 2 cores).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+BUILD_MARKER = "specdec-peer-build.json"
 
 
 # --------------------------------------------------------------------------------------
@@ -90,30 +97,54 @@ def installed_peer_version(venv: Path = PEER_VENV) -> str | None:
     return out.stdout.strip() or None
 
 
+def build_flags() -> dict[str, str]:
+    """Compiler/CMake settings for building llama-cpp-python (see module docstring)."""
+    flags: dict[str, str] = {}
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags["CFLAGS"] = (os.environ.get("CFLAGS", "") + " " + no_amx).strip()
+        flags["CXXFLAGS"] = (os.environ.get("CXXFLAGS", "") + " " + no_amx).strip()
+    if os.environ.get("CMAKE_ARGS"):
+        flags["CMAKE_ARGS"] = os.environ["CMAKE_ARGS"]
+    return flags
+
+
 def ensure_peer_venv(base_python: str = "python3", version: str = LLAMA_CPP_PYTHON_VERSION,
                      venv: Path = PEER_VENV) -> str:
     """Create/repair the peer venv; returns the installed llama-cpp-python version."""
+    flags = build_flags()
+    want = {"llama_cpp_python": version, "build_env": flags}
+    marker = venv / BUILD_MARKER
     have = installed_peer_version(venv)
-    if have == version:
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if have == version and recorded == want:
         return have
     if have is not None:
-        print(f"[vs] peer venv has llama-cpp-python {have}, want {version}: reinstalling", flush=True)
+        print(f"[vs] peer venv has llama-cpp-python {have} built with {recorded}, "
+              f"want {want}: rebuilding", flush=True)
     if not peer_python(venv).exists():
         print(f"[vs] creating peer venv {venv} with {base_python}", flush=True)
         subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
     env = dict(os.environ)
+    env.update(flags)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    if env.get("CMAKE_ARGS"):
-        print(f"[vs] CMAKE_ARGS={env['CMAKE_ARGS']}", flush=True)
-    print(f"[vs] pip install llama-cpp-python=={version} (compiles llama.cpp; takes minutes)",
-          flush=True)
+    print(f"[vs] pip install llama-cpp-python=={version} with {flags} "
+          f"(compiles llama.cpp: ~8 min on 2 cores)", flush=True)
     t = time.time()
+    # --no-cache-dir: pip would otherwise reuse a wheel cached from a build with other flags
     subprocess.run([str(peer_python(venv)), "-m", "pip", "install", "--no-input",
+                    "--no-cache-dir", "--force-reinstall", "--no-deps",
                     f"llama-cpp-python=={version}"], check=True, env=env)
+    subprocess.run([str(peer_python(venv)), "-m", "pip", "install", "--no-input",
+                    f"llama-cpp-python=={version}"], check=True, env=env)  # its deps
     print(f"[vs] peer build/install took {time.time() - t:.0f} s", flush=True)
     have = installed_peer_version(venv)
     if have != version:
         raise RuntimeError(f"llama-cpp-python import check failed after install (got {have!r})")
+    marker.write_text(json.dumps(want, indent=1) + "\n")
     return have
 
 

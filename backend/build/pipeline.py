@@ -34,6 +34,7 @@ class BuildConfig:
     max_seq_len: int = 2048
     max_batch_size: int = 64
     check_invariance: bool = True
+    measure_costs: bool = True
     quiet: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -115,6 +116,14 @@ def build(cfg: BuildConfig) -> EngineManifest:
             log(f"batch invariance {key}: max |logit diff| verify vs single steps = {diff:.3g}")
         manifest = manifest.with_updates(engines=checked)
         manifest.save(engine_dir)
+    if cfg.measure_costs:
+        from backend.build.costs import measure_cost_model
+
+        t0 = time.time()
+        manifest = manifest.with_updates(cost_model=measure_cost_model(manifest))
+        manifest.save(engine_dir)
+        log(f"cost model measured in {time.time() - t0:.1f}s: forward ms at M=1..64: "
+            f"{[round(1000 * s, 1) for s in manifest.cost_model['seconds']]}")
     written = fill_repository(Path(cfg.output), template_values(manifest, cfg))
     _summary(manifest, engine_dir, written, timings, time.time() - t_start, log)
     return EngineManifest.load(engine_dir)

@@ -1,0 +1,140 @@
+"""`specdec` command line: build, serve, generate, bench, bench-engine, train-draft."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from backend.config import DrafterKind
+
+DEFAULT_REPO = "model_repository"
+
+
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--weights", default="fp32,q4",
+                   help="weight formats to build, comma separated: fp32, q4 (first = serving default)")
+    p.add_argument("--default-format", default=None, choices=["fp32", "q4"],
+                   help="format serving uses (default: the first of --weights)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
+                        "layers + head) or eagle:DIR (trained head); repeatable")
+    p.add_argument("--output", default=DEFAULT_REPO, help="model repository to fill")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--no-invariance-check", action="store_true")
+    p.add_argument("--no-cost-model", action="store_true",
+                   help="skip measuring forward costs (the adaptive speculation controller needs them)")
+    p.add_argument("--quiet", action="store_true")
+
+
+def cmd_build(args) -> int:
+    from backend.build.pipeline import BuildConfig, build
+    from backend.manifest import Device, WeightFormat
+
+    weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip())
+    cfg = BuildConfig(
+        target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
+        default_format=WeightFormat(args.default_format) if args.default_format else None,
+        drafts=tuple(args.draft), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+        check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
+        quiet=args.quiet)
+    build(cfg)
+    return 0
+
+
+def _engine_dir(args) -> Path:
+    from backend.build.pipeline import ENGINE_SUBDIR
+
+    return Path(args.model_repository) / ENGINE_SUBDIR
+
+
+def _prompts(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def cmd_bench(args) -> int:
+    if args.concurrency:
+        from backend.bench import concurrency_bench
+
+        concurrency_bench.main(args)
+        return 0
+    from backend.bench import spec_bench
+    from backend.config import ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+
+    kind, _, draft_name = args.drafter.partition(":")
+    spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name or None,
+                      draft_width=args.draft_width, prompt_lookup_width=args.lookup_width)
+    dec = make_decoder(ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec))
+    prompts = _prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    spec_bench.run(dec, prompts, DrafterKind(kind), args.max_new_tokens, args.temperature,
+                   args.num_draft_tokens, args.ignore_eos, Path(args.json) if args.json else None)
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    from backend.bench import engine_bench
+    from backend.manifest import EngineManifest
+
+    m = EngineManifest.load(_engine_dir(args))
+    engine_bench.run(m, _prompts(args.prompts), Path(args.json) if args.json else None,
+                     Path(args.plot) if args.plot else None,
+                     formats=args.formats.split(",") if args.formats else None, reps=args.reps,
+                     max_new=args.max_new_tokens, quick=args.quick)
+    return 0
+
+
+def default_prompts() -> str:
+    return str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "public.jsonl")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("build", help="build engines + manifest and fill the model repository")
+    add_build_args(p)
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts")
+    p.add_argument("--model-repository", default=DEFAULT_REPO)
+    p.add_argument("--prompts", default=default_prompts())
+    p.add_argument("--drafter", default="prompt-lookup",
+                   help="none | prompt-lookup | draft-model[:NAME] | eagle")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")
+    p.add_argument("--draft-width", type=int, default=1)
+    p.add_argument("--lookup-width", type=int, default=1)
+    p.add_argument("--format", default=None, help="weight format (default: the manifest's)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--concurrency", default=None,
+                   help="comma list of concurrent streams: benchmark against a real Triton server")
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-engine", help="cost of one target forward; plain greedy tokens/s")
+    p.add_argument("--model-repository", default=DEFAULT_REPO)
+    p.add_argument("--prompts", default=default_prompts())
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--formats", default=None)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    p.set_defaults(func=cmd_bench_engine)
+
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
