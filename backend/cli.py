@@ -90,6 +90,44 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.serve.launcher import TritonServer
+
+    repo = Path(args.model_repository)
+    if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
+        print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
+        build(BuildConfig(target=None, output=repo, drafts=tuple(args.draft)))
+    server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
+                          log_verbose=args.log_verbose, log_file=args.log_file)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    print("starting tritonserver ...", flush=True)
+    server.start()
+    print(f"specdec is serving {repo}\n"
+          f"  HTTP     http://{server.http_url}  (POST /v2/models/specdec/generate_stream)\n"
+          f"  gRPC     {server.grpc_url}\n"
+          f"  metrics  {server.metrics_url}\n"
+          f"Try: .venv/bin/specdec generate \"Write a haiku about the sea\" --stream --url {server.grpc_url}\n"
+          f"Ctrl-C stops the server.", flush=True)
+    while not stop.is_set() and server.proc.poll() is None:
+        stop.wait(0.5)
+    print("stopping tritonserver ...", flush=True)
+    rc = server.stop()
+    print(f"stopped (exit code {rc})", flush=True)
+    return 0 if rc in (0, None) else 1
+
+
+def cmd_generate(args) -> int:
+    from backend.serve import client
+
+    return client.main(args)
+
+
 def default_prompts() -> str:
     return str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "public.jsonl")
 
@@ -101,6 +139,35 @@ def main(argv=None) -> int:
     p = sub.add_parser("build", help="build engines + manifest and fill the model repository")
     add_build_args(p)
     p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("serve", help="start tritonserver on 127.0.0.1 (builds engines on first run)")
+    p.add_argument("--model-repository", default=DEFAULT_REPO)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--draft", action="append", default=["self:4"],
+                   help="drafts to build on first run (default: self:4)")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--log-file", default=None)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("prompt")
+    p.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC / :8000 HTTP)")
+    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+    p.add_argument("--model", default="specdec", help="specdec or ensemble")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | draft-model | eagle")
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts")
     p.add_argument("--model-repository", default=DEFAULT_REPO)

@@ -33,7 +33,7 @@ from backend.verify import Noise, verify_tree
 class SpecDecoder:
     def __init__(self, target: Runtime, tokenizer: Tokenizer, drafters: dict[DrafterKind, Drafter],
                  spec: SpecConfig = SpecConfig(), controller=None, prefill_chunk: int = 512):
-        from backend.scheduler import FixedController
+        from backend.controller import FixedController
 
         self.target = target
         self.tok = tokenizer
@@ -135,7 +135,10 @@ class SpecDecoder:
             s.stats.record(d.num_draft_tokens, d.tree.max_depth, v.num_accepted,
                            v.output_ids.size, t1 - t0, t2 - t1)
             self.controller.observe(s, d, v, len(seqs), t1 - t0, t2 - t1)
-            outputs.append(s.accept(v.output_ids))                      # emit
+            out = s.accept(v.output_ids)                                # emit
+            out.step_draft_tokens, out.step_accepted, out.step_depth = d.num_draft_tokens, v.num_accepted, d.tree.max_depth
+            out.step_draft_s, out.step_verify_s = t1 - t0, t2 - t1
+            outputs.append(out)
         return outputs
 
     def _propose(self, seqs: list[SequenceState], budgets: list[int]) -> list[Draft]:

@@ -11,7 +11,7 @@ from backend.config import DrafterKind, ServeConfig, SpecConfig
 from backend.decoder import SpecDecoder
 from backend.manifest import EngineManifest
 from backend.runtime import load_draft_runtime, load_runtime
-from backend.scheduler import AdaptiveController, CostModel, FixedController
+from backend.controller import AdaptiveController, CostModel, FixedController
 from backend.tokenizer import Tokenizer
 
 

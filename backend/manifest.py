@@ -106,7 +106,7 @@ class EngineManifest:
     source: str                             # the checkpoint it was built from
     tool_versions: dict[str, str]
     drafts: dict[str, DraftEntry] = field(default_factory=dict)
-    cost_model: dict | None = None          # measured forward costs (scheduler.CostModel)
+    cost_model: dict | None = None          # measured forward costs (controller.CostModel)
     version: int = MANIFEST_VERSION
     root: Path | None = None                # directory the manifest was loaded from (not saved)
 

@@ -36,6 +36,12 @@ class StepOutput:
     text_start: int               # this chunk is full_text[text_start:text_end]
     text_end: int
     stats: SpecStats
+    # this step only (0 for the prefill output): for metrics
+    step_draft_tokens: int = 0
+    step_accepted: int = 0
+    step_depth: int = 0
+    step_draft_s: float = 0.0
+    step_verify_s: float = 0.0
 
 
 class TextState:

@@ -154,10 +154,10 @@ def ensure_peer_venv(base_python: str = "python3", version: str = LLAMA_CPP_PYTH
 
 
 def run_peer(gguf: str, prompts: str, max_new_tokens: int, threads: int,
-             out_json: str, extra: list[str] | None = None) -> dict:
+             out_json: str, flash_attn: str = "off", extra: list[str] | None = None) -> dict:
     cmd = [str(peer_python()), str(PEER_SCRIPT), "--gguf", gguf, "--prompts", prompts,
            "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
-           "--json", out_json, *(extra or [])]
+           "--flash-attn", flash_attn, "--json", out_json, *(extra or [])]
     print("[vs] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(out_json, encoding="utf-8") as f:
@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", dest="json_out", default=None, help="combined JSON output")
     ap.add_argument("--peer-only", action="store_true", help="only run llama.cpp")
+    ap.add_argument("--peer-flash-attn", choices=["auto", "on", "off"], default="off",
+                    help="llama.cpp flash attention for the peer run. Default off: it is the "
+                         "faster setting on this CPU (llama.cpp's own default 'auto' enables "
+                         "it and decodes ~30%% slower here)")
     ap.add_argument("--peer-python", default="python3",
                     help="interpreter used to create the peer venv (default: python3)")
     args = ap.parse_args(argv)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     version = ensure_peer_venv(args.peer_python)
     with tempfile.TemporaryDirectory(prefix="vs_llamacpp_") as td:
         peer = run_peer(gguf, prompts, args.max_new_tokens, args.threads,
-                        os.path.join(td, "peer.json"))
+                        os.path.join(td, "peer.json"), flash_attn=args.peer_flash_attn)
     sysinfo = peer["meta"].get("system_info", "")
     if "AVX2 = 1" not in sysinfo:
         print(f"[vs] WARNING: llama.cpp build does not report AVX2: {sysinfo}", file=sys.stderr)
@@ -272,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     combined = {
         "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "peer_only": args.peer_only,
+                   "peer_flash_attn": args.peer_flash_attn,
                    "llama_cpp_python_version": version},
         "comparison": cmp,
         "llamacpp": peer,

@@ -1,4 +1,4 @@
-"""Measure the cost model the adaptive controller uses (scheduler.CostModel): median time of one
+"""Measure the cost model the adaptive controller uses (controller.CostModel): median time of one
 target forward over M = B*T new tokens at a typical context, the extra cost of each additional
 sequence in a batch, and the time of one draft-model step. Stored in the manifest at build time
 (`specdec build`), so a server starts with numbers measured on its own machine."""

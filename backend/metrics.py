@@ -1,0 +1,169 @@
+"""Prometheus metrics of speculation, defined once and updated once per scheduler step.
+
+The registry is injected: on Triton it wraps the Python backend's custom metrics
+(`pb_utils.MetricFamily`, exported on Triton's metrics port); tests use an in-memory one.
+Each update is an IPC call on Triton (~50 us), so values are aggregated per step.
+
+  specdec_draft_tokens_total{drafter}             draft tokens proposed
+  specdec_accepted_tokens_total{drafter}          draft tokens accepted
+  specdec_output_tokens_total                     tokens generated (prefill's first token included)
+  specdec_target_forwards_total                   sequence-steps verified (one per sequence per step)
+  specdec_verify_batches_total                    batched verify forwards (one per step)
+  specdec_verify_batch_size                       histogram of sequences per verify forward
+  specdec_acceptance_rate                         gauge, accepted / drafted over the last window
+  specdec_mean_accepted_tokens                    gauge, E[tau] (tokens per target forward) over the window
+  specdec_position_drafted_total{position}        draft tokens at tree depth d
+  specdec_position_accepted_total{position}       accepted draft tokens at depth d
+  specdec_position_acceptance_rate{position}      gauge, accepted / drafted at depth d (window)
+  specdec_draft_seconds / specdec_verify_seconds  histograms of per-step draft and verify time
+  specdec_time_to_first_token_seconds             histogram per request
+  specdec_time_per_output_token_seconds           histogram per request (after the first token)
+  specdec_active_sequences                        gauge
+  specdec_finished_requests_total{reason}         stop | length | cancelled
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Protocol
+
+from backend.sequence import SequenceState, StepOutput
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+WINDOW = 64         # steps in the sliding window of the rate gauges
+
+
+class Registry(Protocol):
+    def counter(self, name: str, description: str, labels: dict): ...
+
+    def gauge(self, name: str, description: str, labels: dict): ...
+
+    def histogram(self, name: str, description: str, labels: dict, buckets: list[float]): ...
+
+
+class Metrics:
+    def __init__(self, registry: Registry, labels: dict[str, str]):
+        self.r, self.labels = registry, dict(labels)
+        c, g, h = registry.counter, registry.gauge, registry.histogram
+        lb = self.labels
+        self.output_tokens = c("specdec_output_tokens_total", "Tokens generated", lb)
+        self.forwards = c("specdec_target_forwards_total", "Sequence-steps verified by the target", lb)
+        self.batches = c("specdec_verify_batches_total", "Batched target verify forwards", lb)
+        self.batch_size = h("specdec_verify_batch_size", "Sequences per verify forward", lb, BATCH_BUCKETS)
+        self.acceptance = g("specdec_acceptance_rate", "Accepted / drafted tokens (recent window)", lb)
+        self.tau = g("specdec_mean_accepted_tokens", "Tokens per target forward, E[tau] (recent window)", lb)
+        self.draft_s = h("specdec_draft_seconds", "Draft time per step", lb, LATENCY_BUCKETS)
+        self.verify_s = h("specdec_verify_seconds", "Verify (target forward + sampling) time per step", lb, LATENCY_BUCKETS)
+        self.ttft = h("specdec_time_to_first_token_seconds", "Time to first token", lb, LATENCY_BUCKETS)
+        self.tpot = h("specdec_time_per_output_token_seconds", "Time per output token after the first", lb, LATENCY_BUCKETS)
+        self.active = g("specdec_active_sequences", "Sequences being prefilled or decoded", lb)
+        self._finished: dict[str, object] = {}
+        self._by_drafter: dict[str, tuple] = {}
+        self._by_pos: dict[int, tuple] = {}
+        self._window: collections.deque = collections.deque(maxlen=WINDOW)
+
+    def _drafter(self, name: str):
+        if name not in self._by_drafter:
+            lb = {**self.labels, "drafter": name}
+            self._by_drafter[name] = (
+                self.r.counter("specdec_draft_tokens_total", "Draft tokens proposed", lb),
+                self.r.counter("specdec_accepted_tokens_total", "Draft tokens accepted", lb))
+        return self._by_drafter[name]
+
+    def _position(self, d: int):
+        if d not in self._by_pos:
+            lb = {**self.labels, "position": str(d)}
+            self._by_pos[d] = (
+                self.r.counter("specdec_position_drafted_total", "Draft tokens at tree depth d", lb),
+                self.r.counter("specdec_position_accepted_total", "Accepted draft tokens at tree depth d", lb),
+                self.r.gauge("specdec_position_acceptance_rate", "Acceptance at tree depth d (recent window)", lb))
+        return self._by_pos[d]
+
+    def on_step(self, outs: list[StepOutput], batch: int, drafters: list[str] | None = None) -> None:
+        drafted = sum(o.step_draft_tokens for o in outs)
+        accepted = sum(o.step_accepted for o in outs)
+        emitted = sum(o.step_accepted + 1 for o in outs)
+        self.output_tokens.increment(sum(len(o.new_ids) for o in outs))
+        self.forwards.increment(len(outs))
+        self.batches.increment(1)
+        self.batch_size.observe(batch)
+        self.draft_s.observe(outs[0].step_draft_s)
+        self.verify_s.observe(outs[0].step_verify_s)
+        per_drafter: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        pos_d, pos_a = collections.Counter(), collections.Counter()
+        for i, o in enumerate(outs):
+            name = drafters[i] if drafters else "all"
+            per_drafter[name][0] += o.step_draft_tokens
+            per_drafter[name][1] += o.step_accepted
+            for d in range(1, o.step_depth + 1):
+                pos_d[d] += 1
+                pos_a[d] += int(o.step_accepted >= d)
+        for name, (dr, ac) in per_drafter.items():
+            if dr:
+                cd, ca = self._drafter(name)
+                cd.increment(dr)
+                ca.increment(ac)
+        self._window.append((drafted, accepted, emitted, len(outs), dict(pos_d), dict(pos_a)))
+        w_dr = sum(x[0] for x in self._window)
+        w_ac = sum(x[1] for x in self._window)
+        self.acceptance.set(w_ac / w_dr if w_dr else 0.0)
+        self.tau.set(sum(x[2] for x in self._window) / max(1, sum(x[3] for x in self._window)))
+        for d in pos_d:
+            cd, ca, g = self._position(d)
+            cd.increment(pos_d[d])
+            ca.increment(pos_a[d])
+            wd = sum(x[4].get(d, 0) for x in self._window)
+            g.set(sum(x[5].get(d, 0) for x in self._window) / wd if wd else 0.0)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.output_tokens.increment(1)
+
+    def on_finish(self, seq: SequenceState) -> None:
+        reason = seq.finish_reason or "unknown"
+        if reason not in self._finished:
+            self._finished[reason] = self.r.counter("specdec_finished_requests_total",
+                                                    "Requests finished, by reason", {**self.labels, "reason": reason})
+        self._finished[reason].increment(1)
+        n = len(seq.output_ids)
+        if n > 1 and seq.first_token_at is not None:
+            self.tpot.observe((time.perf_counter() - seq.first_token_at) / (n - 1))
+
+    def set_active(self, n: int) -> None:
+        self.active.set(n)
+
+
+class MemoryRegistry:
+    """In-process registry (tests, offline runs): name -> labels -> value."""
+
+    class _Metric:
+        def __init__(self):
+            self.value = 0.0
+            self.observations: list[float] = []
+
+        def increment(self, v: float = 1.0) -> None:
+            self.value += v
+
+        def set(self, v: float) -> None:
+            self.value = v
+
+        def observe(self, v: float) -> None:
+            self.observations.append(v)
+            self.value += 1
+
+    def __init__(self):
+        self.metrics: dict[tuple, MemoryRegistry._Metric] = {}
+
+    def _get(self, name, labels):
+        key = (name, tuple(sorted(labels.items())))
+        return self.metrics.setdefault(key, MemoryRegistry._Metric())
+
+    def counter(self, name, description, labels):
+        return self._get(name, labels)
+
+    def gauge(self, name, description, labels):
+        return self._get(name, labels)
+
+    def histogram(self, name, description, labels, buckets):
+        return self._get(name, labels)

@@ -1,0 +1,203 @@
+"""The Triton Python backend side of serving, shared by the thin `model.py` adapters.
+
+`pb` (triton_python_backend_utils) is passed in by each model.py, so this module never imports
+it and the rest of backend/ never sees Triton. Here: reading model parameters into ServeConfig,
+response senders as scheduler Sinks (streaming or one final response), error mapping
+(RequestError -> INVALID_ARG naming the field, anything else -> INTERNAL, the final flag always
+sent), and a metrics registry over the Python backend's custom metrics.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import traceback
+from pathlib import Path
+
+from backend import triton_io
+from backend.config import DrafterKind, RequestError, ServeConfig, SpecConfig
+from backend.sequence import StepOutput
+
+log = logging.getLogger("specdec.triton")
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    cfg = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+
+
+def serve_config(args: dict) -> ServeConfig:
+    """ServeConfig from config.pbtxt parameters (filled by the build; env/CLI can override)."""
+    p = model_parameters(args)
+    repo_root = Path(args["model_repository"]).resolve().parent
+    engine_dir = (repo_root / p["engine_dir"]).resolve()
+    drafter = p.get("default_drafter", "auto") or "auto"
+    k = p.get("num_draft_tokens", "auto")
+    spec = SpecConfig(auto_drafter=DrafterKind(drafter) if drafter != "auto" else SpecConfig().auto_drafter,
+                      num_draft_tokens=None if k in ("", "auto") else int(k))
+    return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
+                       spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32))
+
+
+def error_response(pb, exc: Exception, internal: bool):
+    code = pb.TritonError.INTERNAL if internal else pb.TritonError.INVALID_ARG
+    msg = f"{type(exc).__name__}: {exc}" if internal else str(exc)
+    return pb.InferenceResponse(error=pb.TritonError(msg, code))
+
+
+def tensors(pb, arrays: dict):
+    return [pb.Tensor(k, v) for k, v in arrays.items()]
+
+
+class ResponseSink:
+    """A request's response sender as a scheduler Sink.
+
+    Streaming: one response per step with the new text. Non-streaming: a single response with
+    everything, carrying the final flag (so HTTP /generate works). Always ends with FINAL.
+    """
+
+    def __init__(self, pb, sender, encode, stream: bool, batched: bool):
+        self.pb, self.sender, self.encode = pb, sender, encode
+        self.stream, self.batched = stream, batched
+        self.last: StepOutput | None = None
+        self.parts: list[str] = []
+        self.ids: list[int] = []
+        self.failed = False
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def _arrays(self, out: StepOutput, text: str, whole: bool) -> dict:
+        arrays = self.encode(out, text, whole, self.ids)
+        return triton_io.with_batch_dim(arrays) if self.batched else arrays
+
+    def send(self, out: StepOutput) -> None:
+        self.last = out
+        self.ids.extend(out.new_ids)
+        if self.stream:
+            if out.text or out.finished or out.new_ids:
+                self.sender.send(self.pb.InferenceResponse(
+                    output_tensors=tensors(self.pb, self._arrays(out, out.text, False))))
+        else:
+            self.parts.append(out.text)
+
+    def error(self, exc: Exception, internal: bool) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.failed = True
+            if internal:
+                log.error("request failed: %s", "".join(traceback.format_exception(exc)))
+            self.sender.send(error_response(self.pb, exc, internal),
+                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.closed = True
+
+    def cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            if not self.stream and self.last is not None and not self.failed:
+                whole = self.last
+                resp = self.pb.InferenceResponse(output_tensors=tensors(
+                    self.pb, self._arrays(whole, "".join(self.parts), True)))
+                self.sender.send(resp, flags=final)
+            else:
+                self.sender.send(flags=final)
+
+
+def fail_request(pb, request, exc: Exception) -> None:
+    """Answer a request that never reached the scheduler (bad input) and end its stream."""
+    sender = request.get_response_sender()
+    internal = not isinstance(exc, RequestError)
+    if internal:
+        log.error("request failed: %s", "".join(traceback.format_exception(exc)))
+    sender.send(error_response(pb, exc, internal), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def request_inputs(request) -> dict:
+    return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+class TritonRegistry:
+    """backend.metrics Registry over pb_utils.MetricFamily (Triton's metrics port)."""
+
+    def __init__(self, pb):
+        self.pb = pb
+        self.families: dict[str, object] = {}
+
+    def _family(self, name: str, description: str, kind):
+        if name not in self.families:
+            self.families[name] = self.pb.MetricFamily(name=name, description=description, kind=kind)
+        return self.families[name]
+
+    def counter(self, name, description, labels):
+        return self._family(name, description, self.pb.MetricFamily.COUNTER).Metric(labels=labels)
+
+    def gauge(self, name, description, labels):
+        return self._family(name, description, self.pb.MetricFamily.GAUGE).Metric(labels=labels)
+
+    def histogram(self, name, description, labels, buckets):
+        return self._family(name, description, self.pb.MetricFamily.HISTOGRAM).Metric(
+            labels=labels, buckets=[float(b) for b in buckets])
+
+
+class Service:
+    """Decoder + continuous-batching scheduler + metrics behind one Triton model instance.
+
+    mode "text": the `specdec` model (text in, text out). mode "ids": the ensemble's `generator`
+    (token ids in from `preprocessing`, cumulative ids + text offsets out to `postprocessing`).
+    """
+
+    def __init__(self, pb, args: dict, mode: str):
+        from backend.engine import make_decoder
+        from backend.metrics import Metrics
+        from backend.scheduler import Scheduler
+
+        assert mode in ("text", "ids"), mode
+        self.pb, self.mode = pb, mode
+        cfg = serve_config(args)
+        self.decoder = make_decoder(cfg)
+        self.tok = self.decoder.tok
+        self.max_len = self.decoder.target.max_seq_len
+        self.metrics = Metrics(TritonRegistry(pb), {"model": args["model_name"]})
+        self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
+        self._count = 0
+
+    def handle(self, request) -> None:
+        pb = self.pb
+        try:
+            inputs = request_inputs(request)
+            if self.mode == "ids" and bool(triton_io._bool(inputs, triton_io.STOP, False)):
+                self.scheduler.stop(triton_io._str(triton_io._one(inputs, triton_io.SEQUENCE_KEY) or b"",
+                                                   triton_io.SEQUENCE_KEY))
+                request.get_response_sender().send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
+            if self.mode == "text":
+                text = triton_io.prompt_text(inputs, self.tok.apply_chat_template)
+                ids = self.tok.encode(text, add_special_tokens=True)
+            else:
+                ids = triton_io.input_ids(inputs)
+            parsed = triton_io.parse(inputs, ids, self.tok.eos_token_ids, self.max_len,
+                                     request.request_id())
+        except Exception as exc:
+            fail_request(pb, request, exc)
+            return
+        self._count += 1
+        key = request.request_id() or f"seq-{self._count}"
+        if self.mode == "text":
+            encode = lambda out, text, whole, ids: triton_io.text_outputs(out, text)
+        else:
+            def encode(out, text, whole, ids):
+                arrays = triton_io.generator_outputs(out, ids, key)
+                if whole:
+                    arrays[triton_io.TEXT_START][0] = 0
+                return arrays
+        sink = ResponseSink(pb, request.get_response_sender(), encode, parsed.stream, parsed.batched)
+        self.scheduler.submit(parsed.request, sink, key)
+
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,190 @@
+"""dict[str, ndarray] <-> Request / StepOutput: the Triton tensor names, defined once.
+
+Names follow the TensorRT-LLM ensemble (text_input, max_tokens, temperature, top_k, top_p,
+random_seed, stop_words, end_id, stream, num_draft_tokens, text_output), so existing clients
+and genai-perf work unchanged; TensorRT-LLM conventions hold too: top_p = 0 means "off", empty
+stop words mean "none", end_id = -1 means "do not stop at EOS". Ours: min_p, drafter,
+apply_chat_template (text_input is one user message, or a JSON list of {"role","content"}
+messages), and the per-response statistics outputs.
+Knows: names, dtypes, defaults, validation. Does not know: Triton's Python API (no pb_utils).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.config import DrafterKind, RequestError, SamplingParams
+from backend.sequence import Request, StepOutput
+
+TEXT_INPUT = "text_input"
+INPUT_IDS = "input_ids"             # ensemble: preprocessing -> generator
+TEXT_OUTPUT = "text_output"
+OUTPUT_IDS = "output_ids"           # ensemble: generator -> postprocessing (cumulative ids)
+TEXT_START, TEXT_END = "text_start", "text_end"
+SEQUENCE_KEY = "sequence_key"
+STOP = "stop"                       # generator: stop the request with this sequence_key
+STAT_OUTPUTS = ("output_token_count", "total_draft_tokens", "total_accepted_draft_tokens",
+                "acceptance_rate", "mean_accepted_tokens", "finish_reason")
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Parsed:
+    request: Request
+    stream: bool
+    batched: bool       # inputs carried a leading batch dimension (max_batch_size > 0)
+
+
+def _one(inputs: dict, name: str):
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.size != 1:
+        raise RequestError(name, f"expected exactly one value, got shape {list(arr.shape)} "
+                                 "(send one prompt per request)")
+    return arr.reshape(-1)[0]
+
+
+def _str(v, name: str) -> str:
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(name, f"not valid UTF-8: {exc}") from None
+    return str(v)
+
+
+def _int(inputs, name, default):
+    v = _one(inputs, name)
+    if v is None:
+        return default
+    if isinstance(v, (bytes, str, np.bytes_, np.str_)) or not float(v).is_integer():
+        raise RequestError(name, f"expected an integer, got {v!r}")
+    return int(v)
+
+
+def _float(inputs, name, default):
+    v = _one(inputs, name)
+    if v is None:
+        return default
+    if isinstance(v, (bytes, str, np.bytes_, np.str_)):
+        raise RequestError(name, f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _bool(inputs, name, default):
+    v = _one(inputs, name)
+    return default if v is None else bool(v)
+
+
+def messages_from_text(text: str) -> list[dict]:
+    """apply_chat_template: a JSON list of messages, or the text as one user message."""
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            msgs = json.loads(stripped)
+        except json.JSONDecodeError:
+            msgs = None
+        if isinstance(msgs, list) and msgs and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            return msgs
+    return [{"role": "user", "content": text}]
+
+
+def prompt_text(inputs: dict, chat_template_fn) -> str:
+    v = _one(inputs, TEXT_INPUT)
+    if v is None:
+        raise RequestError(TEXT_INPUT, "missing (a BYTES tensor with the prompt)")
+    text = _str(v, TEXT_INPUT)
+    if not text.strip():
+        raise RequestError(TEXT_INPUT, "empty prompt")
+    if _bool(inputs, "apply_chat_template", False):
+        text = chat_template_fn(messages_from_text(text))
+    return text
+
+
+def sampling_params(inputs: dict, eos_ids: tuple[int, ...], max_tokens_limit: int) -> SamplingParams:
+    stops = inputs.get("stop_words")
+    stop_strings = ()
+    if stops is not None:
+        stop_strings = tuple(s for s in (_str(x, "stop_words") for x in np.asarray(stops).reshape(-1)) if s)
+    end_id = _int(inputs, "end_id", None)
+    top_p = _float(inputs, "top_p", 1.0)
+    seed = _int(inputs, "random_seed", None)
+    params = SamplingParams(
+        temperature=_float(inputs, "temperature", 0.0),
+        top_k=_int(inputs, "top_k", 0),
+        top_p=1.0 if top_p == 0.0 else top_p,
+        min_p=_float(inputs, "min_p", 0.0),
+        seed=seed,
+        max_tokens=_int(inputs, "max_tokens", DEFAULT_MAX_TOKENS),
+        stop_token_ids=(end_id,) if end_id is not None and end_id >= 0 else (),
+        stop_strings=stop_strings,
+        ignore_eos=end_id is not None,   # an explicit end_id replaces the model's EOS ids
+    )
+    return params.validate(max_tokens_limit)
+
+
+def parse(inputs: dict, prompt_ids, eos_ids: tuple[int, ...], max_tokens_limit: int,
+          request_id: str = "") -> Parsed:
+    """Full request from tensors; prompt_ids: the tokenized prompt (from text or input_ids)."""
+    drafter = _one(inputs, "drafter")
+    kind = DrafterKind.AUTO
+    if drafter is not None:
+        name = _str(drafter, "drafter").strip() or "auto"
+        try:
+            kind = DrafterKind(name)
+        except ValueError:
+            raise RequestError("drafter", f"unknown drafter {name!r}; one of "
+                                          f"{[k.value for k in DrafterKind]}") from None
+    k = _int(inputs, "num_draft_tokens", None)
+    if k is not None and k < 0:
+        raise RequestError("num_draft_tokens", f"must be >= 0, got {k}")
+    params = sampling_params(inputs, eos_ids, max_tokens_limit)
+    if len(prompt_ids) >= max_tokens_limit:
+        raise RequestError(TEXT_INPUT, f"prompt has {len(prompt_ids)} tokens; the engine's maximum "
+                                       f"sequence length is {max_tokens_limit}")
+    req = Request(tuple(int(t) for t in prompt_ids), params, kind, k, request_id)
+    first = next(iter(inputs.values()))
+    return Parsed(req, _bool(inputs, "stream", False), np.asarray(first).ndim >= 2)
+
+
+def input_ids(inputs: dict) -> list[int]:
+    arr = inputs.get(INPUT_IDS)
+    if arr is None:
+        raise RequestError(INPUT_IDS, "missing")
+    arr = np.asarray(arr)
+    if arr.ndim == 2 and arr.shape[0] != 1:
+        raise RequestError(INPUT_IDS, f"one sequence per request, got batch {arr.shape[0]}")
+    return [int(t) for t in arr.reshape(-1)]
+
+
+def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
+    st = out.stats
+    return {
+        "output_token_count": np.array([out.num_output_tokens], np.int32),
+        "total_draft_tokens": np.array([st.num_draft_tokens], np.int32),
+        "total_accepted_draft_tokens": np.array([st.num_accepted_tokens], np.int32),
+        "acceptance_rate": np.array([st.acceptance_rate], np.float32),
+        "mean_accepted_tokens": np.array([st.mean_accepted_tokens], np.float32),
+        "finish_reason": np.array([(out.finish_reason or "").encode()], np.object_),
+    }
+
+
+def text_outputs(out: StepOutput, text: str) -> dict[str, np.ndarray]:
+    return {TEXT_OUTPUT: np.array([text.encode("utf-8")], np.object_), **stats_outputs(out)}
+
+
+def generator_outputs(out: StepOutput, output_ids: list[int], key: str) -> dict[str, np.ndarray]:
+    return {OUTPUT_IDS: np.asarray(output_ids, np.int32).reshape(-1),
+            TEXT_START: np.array([out.text_start], np.int32),
+            TEXT_END: np.array([out.text_end], np.int32),
+            SEQUENCE_KEY: np.array([key.encode()], np.object_), **stats_outputs(out)}
+
+
+def with_batch_dim(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v[None] for k, v in tensors.items()}
