@@ -52,25 +52,36 @@ BUILD_MARKER = "specdec-peer-build.json"
 
 
 def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
-    """Benchmark specdec on the same GGUF and prompts.
+    """Benchmark specdec on the same GGUF and prompts, measuring what peer_llamacpp.py measures:
+    the chat template rendered with add_generation_prompt=True (no BOS), greedy decoding of
+    exactly `max_new_tokens` new tokens with EOS ignored, a fresh KV cache per prompt, one
+    untimed warm-up generation, decode-only throughput = (new tokens after the first) / (time
+    after the first new token). Every weight format built is measured; the fastest is "ours"."""
+    sys.path.insert(0, str(HERE.parent))
+    from backend.bench.engine_bench import plain_tokens_per_s
+    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.manifest import EngineManifest
 
-    >>> PLACEHOLDER: filled in by the engine work. <<<
-
-    Must measure the same thing as peer_llamacpp.py so the ratio is meaningful:
-    same chat-template rendering (add_generation_prompt=True, no BOS), greedy
-    decoding of exactly `max_new_tokens` new tokens with EOS ignored, KV cache not
-    reused across prompts, one untimed warm-up generation first, and decode-only
-    throughput = (new tokens after the first) / (time after the first new token).
-
-    Returns:
-        {"decode_tokens_per_s": float,          # overall: total decode tokens / total decode time
-         "per_prompt": [{"id": str, "decode_tokens_per_s": float,
-                         "prefill_ms": float,      # optional
-                         "token_ids": [int, ...],  # optional: enables greedy-agreement check
-                         ...}, ...],
-         ...}                                    # optional extras (median_ms_per_token, ...)
-    """
-    raise NotImplementedError("filled in by the engine work")
+    repo = HERE / ".ours-repo"
+    engine_dir = repo / ENGINE_SUBDIR
+    try:
+        manifest = EngineManifest.load(engine_dir)
+        if Path(manifest.source).resolve() != Path(gguf_path).resolve():
+            raise FileNotFoundError
+    except (FileNotFoundError, ValueError):
+        manifest = build(BuildConfig(target=str(gguf_path), output=repo, quiet=True,
+                                     measure_costs=False))
+    prompts = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
+    by_format = {fmt: plain_tokens_per_s(manifest, fmt, prompts, max_new_tokens)
+                 for fmt in manifest.engines}
+    best = max(by_format, key=lambda f: by_format[f]["tokens_per_s"])
+    return {
+        "decode_tokens_per_s": by_format[best]["tokens_per_s"],
+        "format": best,
+        "decode_tokens_per_s_by_format": {f: r["tokens_per_s"] for f, r in by_format.items()},
+        "per_prompt": [{"id": p["id"], "decode_tokens_per_s": p["tokens_per_s"]}
+                       for p in by_format[best]["per_prompt"]],
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -238,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", dest="json_out", default=None, help="combined JSON output")
     ap.add_argument("--peer-only", action="store_true", help="only run llama.cpp")
-    ap.add_argument("--peer-flash-attn", choices=["auto", "on", "off"], default="off",
-                    help="llama.cpp flash attention for the peer run. Default off: it is the "
-                         "faster setting on this CPU (llama.cpp's own default 'auto' enables "
-                         "it and decodes ~30%% slower here)")
+    ap.add_argument("--peer-flash-attn", choices=["both", "auto", "on", "off"], default="both",
+                    help="llama.cpp flash attention for the peer run(s). Default both: 'off' (the "
+                         "faster setting on this CPU, the main comparison) and 'auto' (llama.cpp's "
+                         "stock default, which decodes ~30%% slower here)")
     ap.add_argument("--peer-python", default="python3",
                     help="interpreter used to create the peer venv (default: python3)")
     args = ap.parse_args(argv)
@@ -255,25 +266,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"peer python not found: {args.peer_python}")
 
     version = ensure_peer_venv(args.peer_python)
+    modes = ["off", "auto"] if args.peer_flash_attn == "both" else [args.peer_flash_attn]
+    peers = {}
     with tempfile.TemporaryDirectory(prefix="vs_llamacpp_") as td:
-        peer = run_peer(gguf, prompts, args.max_new_tokens, args.threads,
-                        os.path.join(td, "peer.json"), flash_attn=args.peer_flash_attn)
+        for mode in modes:   # "auto" is llama.cpp's stock setting; "off" is faster here
+            peers[mode] = run_peer(gguf, prompts, args.max_new_tokens, args.threads,
+                                   os.path.join(td, f"peer_{mode}.json"), flash_attn=mode)
+    peer = peers[modes[0]]
     sysinfo = peer["meta"].get("system_info", "")
     if "AVX2 = 1" not in sysinfo:
         print(f"[vs] WARNING: llama.cpp build does not report AVX2: {sysinfo}", file=sys.stderr)
 
-    ours = None
+    ours = None if args.peer_only else run_ours(gguf, prompts, args.max_new_tokens)
     ours_error = None
-    if not args.peer_only:
-        try:
-            ours = run_ours(gguf, prompts, args.max_new_tokens)
-        except NotImplementedError as e:
-            ours_error = f"NotImplementedError: {e}"
-            print(f"[vs] run_ours not available ({e}); use --peer-only", file=sys.stderr)
-
     cmp = compare(peer, ours)
     print_report(cmp)
+    by_mode = {m: compare(p, ours) for m, p in peers.items()}
+    for mode, c in by_mode.items():
+        print(f"llama.cpp flash_attn={mode}: {_f(c['llamacpp_decode_tokens_per_s'])} tok/s; "
+              f"ours/llama.cpp = {_f(c['ratio_ours_over_llamacpp'], '.3f')}")
     combined = {
+        "by_flash_attn": {m: {"llamacpp_decode_tokens_per_s": c["llamacpp_decode_tokens_per_s"],
+                              "ratio_ours_over_llamacpp": c["ratio_ours_over_llamacpp"]}
+                          for m, c in by_mode.items()},
         "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "peer_only": args.peer_only,
                    "peer_flash_attn": args.peer_flash_attn,
