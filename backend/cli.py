@@ -128,6 +128,30 @@ def cmd_generate(args) -> int:
     return client.main(args)
 
 
+def cmd_train_draft(args) -> int:
+    from backend.build.embedded import cache_dir
+    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.manifest import EngineManifest
+    from backend.train.eagle_train import TrainConfig, train
+
+    repo = Path(args.model_repository)
+    engine_dir = repo / ENGINE_SUBDIR
+    ok = (engine_dir / "manifest.json").exists()
+    if ok and args.target:
+        ok = Path(EngineManifest.load(engine_dir).source).resolve() == Path(args.target).resolve()
+    if not ok:
+        repo = Path(args.work or cache_dir() / "train") / "target_repository"
+        engine_dir = repo / ENGINE_SUBDIR
+        if not (engine_dir / "manifest.json").exists():
+            build(BuildConfig(target=args.target, output=repo, measure_costs=False))
+    work = Path(args.work) if args.work else cache_dir() / "train" / Path(args.out).name
+    out = train(TrainConfig(out=Path(args.out), engine_dir=engine_dir, work=work,
+                            num_prompts=args.prompts, draft_vocab=args.vocab, epochs=args.epochs,
+                            minutes=args.minutes, max_new_tokens=args.max_new_tokens, seed=args.seed))
+    print(f"draft head written to {out}; build it with: python build_engines.py --draft eagle:{out}")
+    return 0
+
+
 def default_prompts() -> str:
     return str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "public.jsonl")
 
@@ -187,6 +211,20 @@ def main(argv=None) -> int:
                    help="comma list of concurrent streams: benchmark against a real Triton server")
     p.add_argument("--plot", default=None)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train-draft", help="train the EAGLE-style draft head (torch, CPU)")
+    p.add_argument("--target", default=None, help="checkpoint (default: the embedded default)")
+    p.add_argument("--model-repository", default=DEFAULT_REPO,
+                   help="use the target already built here when it matches --target")
+    p.add_argument("--out", required=True, help="head directory to write")
+    p.add_argument("--work", default=None, help="data + checkpoints (default: ~/.cache/specdec/train/NAME)")
+    p.add_argument("--prompts", type=int, default=1200)
+    p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size (FR-Spec)")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench-engine", help="cost of one target forward; plain greedy tokens/s")
     p.add_argument("--model-repository", default=DEFAULT_REPO)

@@ -78,6 +78,8 @@ class SpecConfig:
     prompt_lookup_width: int = 2            # alternative continuations (tree branches)
     draft_model: str | None = None          # manifest draft name for DRAFT_MODEL
     draft_width: int = 1                    # siblings per depth for the draft model's tree
+    eagle_depth: int = 5                    # EAGLE-2 tree: expansion steps
+    eagle_topk: int = 4                     # EAGLE-2 tree: children per expanded node / frontier size
 
     def resolve(self, kind: DrafterKind) -> DrafterKind:
         return self.auto_drafter if kind is DrafterKind.AUTO else kind

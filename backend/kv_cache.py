@@ -3,8 +3,8 @@
 The storage (per layer [B, Hkv, L, D] arrays) belongs to the runtime; this module only knows
 which of the L columns of each row hold committed tokens. A forward over T new tokens appends T
 columns to every row; `commit` then marks the accepted tree nodes of a row valid and leaves the
-rest as garbage that the attention bias masks out. Garbage is squeezed out by `compaction_plan`
-when it grows (the runtime copies the columns), and when the batch's membership changes.
+rest as garbage that the attention bias masks out. Garbage is squeezed out (the runtime copies
+the committed columns) when it grows, and when the batch's membership changes.
 
 Columns of a row stay in token order (tree nodes are topologically ordered and an accepted path
 is increasing), which is what keeps attention results independent of where the columns sit
@@ -40,61 +40,94 @@ def tree_visibility(parents: np.ndarray) -> np.ndarray:
 
 
 class KVLayout:
-    """Column bookkeeping of one batch group."""
+    """Column bookkeeping of one batch group.
+
+    Between commits, the new tokens of one or more forwards form a per-row *scratch tree*:
+    node ids count up across forwards, and a forward's `parents` may name any earlier scratch
+    node (a drafter growing a tree level by level) or -1 (child of the committed prefix).
+    `commit` keeps some scratch nodes (a root-to-node path) and discards the rest.
+    """
 
     def __init__(self, num_rows: int, lengths: np.ndarray | None = None):
         self.lengths = np.zeros(num_rows, np.int64) if lengths is None else lengths.astype(np.int64)
         self.num_cols = int(self.lengths.max()) if num_rows and lengths is not None else 0
         # [B, L] bool; committed columns are left-aligned right after a compaction/merge
         self.valid = np.arange(self.num_cols)[None, :] < self.lengths[:, None]
-        self.pending_start = -1    # first column of the last forward's new tokens
+        self.scratch_cols = [np.zeros(0, np.int64) for _ in range(num_rows)]   # column per node
+        self.scratch_anc = [np.zeros((0, 0), bool) for _ in range(num_rows)]   # ancestor-or-self
+        self.scratch_depth = [np.zeros(0, np.int64) for _ in range(num_rows)]
+        self._next: list | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.lengths.size)
 
+    def has_scratch(self) -> bool:
+        return any(c.size for c in self.scratch_cols)
+
     def forward_inputs(self, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """parents [B, T] -> (attn_bias [B, T, L + T] float32, position_ids [B, T] int64)."""
         b, t = parents.shape
         assert b == self.num_rows, (b, self.num_rows)
-        bias = np.empty((b, t, self.num_cols + t), np.float32)
+        L = self.num_cols
+        bias = np.full((b, t, L + t), MASK_VALUE, np.float32)
         positions = np.empty((b, t), np.int64)
+        nxt = []
         for r in range(b):
-            pr = parents[r]
-            bias[r, :, : self.num_cols] = np.where(self.valid[r], np.float32(0), MASK_VALUE)
-            bias[r, pr == PAD_PARENT, : self.num_cols] = MASK_VALUE
-            bias[r, :, self.num_cols:] = np.where(tree_visibility(pr), np.float32(0), MASK_VALUE)
-            positions[r] = self.lengths[r] + tree_depths(pr)
+            n0 = self.scratch_cols[r].size
+            anc = np.zeros((n0 + t, n0 + t), bool)
+            anc[:n0, :n0] = self.scratch_anc[r]
+            depth = np.concatenate([self.scratch_depth[r], np.zeros(t, np.int64)])
+            for j, p in enumerate(parents[r]):
+                i = n0 + j
+                anc[i, i] = True
+                if p >= 0:
+                    assert p < i, f"parent {p} of scratch node {i} is not an earlier node"
+                    anc[i] |= anc[p]
+                    depth[i] = depth[p] + 1
+            pad = parents[r] == PAD_PARENT
+            past = self.valid[r][None, :].repeat(t, 0)                       # [T, L]
+            if n0:
+                past[:, self.scratch_cols[r]] = anc[n0:, :n0]
+            past[pad] = False
+            bias[r, :, :L][past] = 0.0
+            bias[r, :, L:][anc[n0:, n0:]] = 0.0
+            positions[r] = self.lengths[r] + depth[n0:]
+            nxt.append((anc, depth))
+        self._next = nxt
         return bias, positions
 
     def append(self, t: int) -> None:
-        """A forward wrote t new columns to every row (not yet committed)."""
-        self.pending_start = self.num_cols
+        """The forward whose inputs were built last wrote t new columns to every row."""
+        assert self._next is not None and len(self._next) == self.num_rows
+        cols = np.arange(self.num_cols, self.num_cols + t)
+        for r, (anc, depth) in enumerate(self._next):
+            self.scratch_cols[r] = np.concatenate([self.scratch_cols[r], cols])
+            self.scratch_anc[r], self.scratch_depth[r] = anc, depth
+        self._next = None
         self.valid = np.concatenate([self.valid, np.zeros((self.num_rows, t), bool)], axis=1)
         self.num_cols += t
 
     def commit(self, row: int, nodes: np.ndarray) -> None:
-        """Keep the new-token nodes `nodes` (increasing indices into the last forward) of a row."""
-        assert self.pending_start >= 0, "commit without a forward"
+        """Keep scratch nodes `nodes` (increasing ids) of a row; drop the rest of its scratch."""
         nodes = np.asarray(nodes, np.int64)
         if nodes.size:
             assert np.all(np.diff(nodes) > 0), f"accepted nodes must increase: {nodes.tolist()}"
-            cols = self.pending_start + nodes
-            assert cols[-1] < self.num_cols, (cols.tolist(), self.num_cols)
-            self.valid[row, cols] = True
+            assert nodes[-1] < self.scratch_cols[row].size, (nodes.tolist(), self.scratch_cols[row].size)
+            self.valid[row, self.scratch_cols[row][nodes]] = True
         self.lengths[row] += nodes.size
+        self.scratch_cols[row] = np.zeros(0, np.int64)
+        self.scratch_anc[row] = np.zeros((0, 0), bool)
+        self.scratch_depth[row] = np.zeros(0, np.int64)
 
     def truncate(self, row: int, length: int) -> None:
         """Forget committed columns of a row beyond its first `length` (a draft model rolling
         back its own rejected tokens)."""
+        self.commit(row, np.zeros(0, np.int64))
         cols = self.columns(row)
         assert 0 <= length <= cols.size, (length, cols.size)
         self.valid[row, cols[length:]] = False
         self.lengths[row] = length
-
-    def garbage(self) -> int:
-        """Columns every row pays attention for but that hold no committed token (worst row)."""
-        return self.num_cols - int(self.lengths.min()) if self.num_rows else 0
 
     def needs_compaction(self) -> bool:
         g = self.num_cols - int(self.lengths.max())
@@ -103,7 +136,3 @@ class KVLayout:
     def columns(self, row: int) -> np.ndarray:
         """Committed columns of a row, in token order."""
         return np.flatnonzero(self.valid[row])
-
-    def compacted(self, rows: list[int] | None = None) -> "KVLayout":
-        rows = list(range(self.num_rows)) if rows is None else rows
-        return KVLayout(len(rows), self.lengths[rows].copy())

@@ -73,3 +73,36 @@ def chain(n: int) -> np.ndarray:
 
 def prompt_ids(tokenizer, messages) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """A tiny random-weight Hugging Face checkpoint directory (config, safetensors, tokenizer)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog " * 3, "hello world, speculative decoding!",
+              "def f(x):\n    return x + 1\n"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "add_bos_token": False}))
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=(arch == "llama"))
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path

@@ -42,6 +42,7 @@ class GraphSpec:
     weights: WeightFormat
     num_layers: int          # <= config.num_layers (self-draft: first N layers + final head)
     max_positions: int       # size of the rotary tables
+    eagle: bool = False      # EAGLE draft head: extra input `features` fused with the embedding
 
 
 class _Builder:
@@ -187,6 +188,11 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
     ]
     embed = ckpt.tensor("embed")
     x = g.op("Gather", [g.init("embed", embed.float32()), "input_ids"], hint="embeds")
+    if spec.eagle:
+        # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)
+        inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
+        x = lin(g.op("Concat", [x, "features"], axis=-1), "fc", ckpt.tensor("fc").float32(),
+                ckpt.tensor("fc_bias").float32())
     cos_t, sin_t = rope_tables(cfg, spec.max_positions)
     cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
     sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])

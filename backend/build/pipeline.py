@@ -163,11 +163,13 @@ def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool,
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import export_eagle_head
 
-        head_dir = Path(spec.split(":", 1)[1])
-        path = export_eagle_head(head_dir, target, engine_dir)
-        log(f"EAGLE head from {head_dir} -> {path.name}")
+        head_dir = Path(spec.split(":", 1)[1]).resolve()
+        path = export_eagle_head(head_dir, target, engine_dir, max_seq)
         meta = json.loads((head_dir / "config.json").read_text())
-        return "eagle", DraftEntry("eagle", path.name, 1, str(head_dir), meta)
+        log(f"EAGLE head from {head_dir} -> {path.name} (draft vocabulary {meta['draft_vocab_size']})")
+        meta = {k: v for k, v in meta.items() if k != "training"}
+        return "eagle", DraftEntry("eagle", path.name, 1, str(head_dir),
+                                   {**meta, "vocab_path": "draft_eagle_vocab.npy"})
     dck = ckpt_mod.load_checkpoint(spec)
     if dck.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "

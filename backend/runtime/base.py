@@ -7,7 +7,9 @@ only handles small host arrays: token ids, tree parents, accepted node lists.
     alloc(seq_id) / free(seq_id)      a sequence's KV storage
     forward(seq_ids, input_ids, parents, logits_index)
                                       one pass over T new tokens per sequence (a token tree per
-                                      row); their KV is pending until commit
+                                      row); their KV is pending until commit. Parents may also
+                                      name nodes of earlier forwards since the last commit
+                                      (a drafter growing a tree level by level)
     commit(seq_ids, keep)             keep the accepted nodes' KV, drop the rest
     truncate(seq_id, length)          forget committed tokens beyond `length` (draft rollback)
 """
@@ -39,7 +41,7 @@ class Runtime(Protocol):
     def length(self, seq_id: int) -> int: ...
 
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
-                logits_index: np.ndarray) -> ForwardOutput: ...
+                logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput: ...
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None: ...
 

@@ -122,14 +122,15 @@ class OrtRuntime:
 
     # --- forward / commit --------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
-                logits_index: np.ndarray) -> ForwardOutput:
+                logits_index: np.ndarray, extra_inputs: dict[str, np.ndarray] | None = None) -> ForwardOutput:
         b, t = input_ids.shape                           # [B, T] int64
         assert parents.shape == (b, t), (parents.shape, (b, t))
         assert logits_index.ndim == 2 and logits_index.shape[0] == b, logits_index.shape
         if self.pad_single_token and b * t == 1:
             # keep 4-bit kernels on their M >= 2 path (cpu-engine.md §7): add one padding node
+            extra = {k: np.concatenate([v, v], 1) for k, v in (extra_inputs or {}).items()}
             out = self.forward(seq_ids, np.concatenate([input_ids, input_ids], 1),
-                               np.array([[parents[0, 0], PAD_PARENT]], np.int32), logits_index)
+                               np.array([[parents[0, 0], PAD_PARENT]], np.int32), logits_index, extra)
             return ForwardOutput(out.logits, out.hidden[:, :1])
         with self._lock:
             g = self._group_for(seq_ids)
@@ -146,6 +147,8 @@ class OrtRuntime:
             self._bind_in(io, "position_ids", positions)
             self._bind_in(io, "attn_bias", bias)
             self._bind_in(io, "logits_index", np.ascontiguousarray(logits_index, np.int64))
+            for name, arr in (extra_inputs or {}).items():
+                self._bind_in(io, name, np.ascontiguousarray(arr))
             presents = g.next_views((b, hkv, cols + t, d))
             for j, pres in enumerate(presents):
                 kind, layer = ("key" if j % 2 == 0 else "value"), j // 2
@@ -186,6 +189,8 @@ class OrtRuntime:
 
     def _regroup(self, seq_ids: list[int]) -> _Group:
         """Copy the committed columns of seq_ids (from wherever they live) into a new group."""
+        assert not any(self._where[s].layout.has_scratch() for s in seq_ids), \
+            "regrouping sequences with uncommitted tokens"
         lengths = np.array([self.length(s) for s in seq_ids], np.int64)
         layout = KVLayout(len(seq_ids), lengths)
         ncols = layout.num_cols

@@ -50,7 +50,7 @@ class ToyRuntime:
     def length(self, seq_id: int) -> int:
         return len(self._seqs[seq_id])
 
-    def forward(self, seq_ids, input_ids, parents, logits_index) -> ForwardOutput:
+    def forward(self, seq_ids, input_ids, parents, logits_index, extra_inputs=None) -> ForwardOutput:
         b, t = input_ids.shape
         self.num_forwards += 1
         logits = np.zeros((b, logits_index.shape[1], self.config.vocab_size), np.float32)

@@ -1,0 +1,177 @@
+"""EAGLE-style drafting with dynamic trees (EAGLE-2, Li et al. 2024, arXiv:2406.16858).
+
+The head (train/eagle_model.py, exported to ONNX) runs in the same runtime code as the target,
+with its own KV cache. Per step and sequence:
+  1. catch up: feed the pairs (f_t, x_{t+1}) the head has not seen, with the TARGET's features
+     of the tokens committed since the last step (the verify forward returned them);
+  2. grow the tree: the root's children are the head's top-k tokens; then, D-1 times, the k
+     most probable frontier nodes (by path log-probability under the draft) are fed in one head
+     forward (tree attention over the scratch tree) and each proposes its top-k children;
+  3. keep the N most probable nodes overall (ancestor-closed, since path probabilities only
+     shrink) as the tree the target verifies. The head's scratch KV is then dropped.
+Drafts are deterministic (q = point masses), so verification is lossless for every sampling
+parameter. The head's vocabulary is a subset of the target's (FR-Spec); `vocab` maps it back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from backend.config import SamplingParams, SpecConfig
+from backend.drafters.base import Draft
+from backend.kv_cache import PAD_PARENT
+from backend.sequence import SequenceState
+from backend.tree import TokenTree
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries of each row, best first."""
+    idx = np.argpartition(-x, k - 1, axis=-1)[..., :k]
+    order = np.argsort(-np.take_along_axis(x, idx, -1), axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, -1)
+
+
+class EagleDrafter:
+    name = "eagle"
+    needs_hidden = True
+
+    def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12):
+        self.rt = runtime
+        self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
+        self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        self._pending: dict[int, np.ndarray] = {}            # [n, H] target features not yet fed
+        self._fed: dict[int, int] = {}
+
+    @classmethod
+    def from_manifest(cls, manifest, spec: SpecConfig, threads: int | None = None) -> "EagleDrafter":
+        from dataclasses import replace
+
+        from backend.runtime.ort import OrtRuntime
+
+        d = manifest.drafts["eagle"]
+        cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+        rt = OrtRuntime(manifest.resolve(d.path), cfg, 1, manifest.max_seq_len, threads=threads)
+        vocab = np.load(manifest.resolve(d.extra["vocab_path"]))
+        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes)
+
+    def check_params(self, params: SamplingParams) -> None:
+        return None                                  # point-mass drafts: lossless for all
+
+    def begin(self, seq: SequenceState, prompt_hidden) -> None:
+        assert prompt_hidden is not None and len(prompt_hidden) == len(seq.prompt_ids), "prompt features"
+        self.rt.alloc(seq.seq_id)
+        self._pending[seq.seq_id] = np.asarray(prompt_hidden, np.float32)
+        self._fed[seq.seq_id] = 0
+
+    def observe(self, seq: SequenceState, draft: Draft, accepted_nodes, hidden) -> None:
+        self._pending[seq.seq_id] = np.concatenate([self._pending[seq.seq_id], hidden.astype(np.float32)])
+
+    def end(self, seq: SequenceState) -> None:
+        self.rt.free(seq.seq_id)
+        self._pending.pop(seq.seq_id, None)
+        self._fed.pop(seq.seq_id, None)
+
+    def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
+        drafts = [Draft.empty(s.root) for s in seqs]
+        rows = [i for i, k in enumerate(max_tokens) if k > 0]
+        if not rows:
+            return drafts
+        sids = [seqs[i].seq_id for i in rows]
+        logits, feats = self._catch_up([seqs[i] for i in rows])
+        k = self.topk
+        budget = np.array([min(self.max_nodes, max_tokens[i]) for i in rows])
+        depth = min(self.depth, int(budget.max()))
+        # candidates per row: parent (candidate index, -1 = root), token, score, scratch id
+        cand = [{"parent": [], "token": [], "score": [], "scratch": []} for _ in rows]
+        lp = _log_softmax(logits)                                   # [R, Vd]
+        top = _topk(lp, k)
+        for r in range(len(rows)):
+            for j in top[r]:
+                cand[r]["parent"].append(-1)
+                cand[r]["token"].append(int(self.vocab[j]))
+                cand[r]["score"].append(float(lp[r, j]))
+                cand[r]["scratch"].append(-1)
+        frontier = [list(range(k)) for _ in rows]                  # candidate indices to feed
+        parent_feat = [np.repeat(feats[r][None], k, 0) for r in range(len(rows))]
+        n_scratch = 0
+        for _ in range(depth - 1):
+            ids = np.array([[cand[r]["token"][c] for c in frontier[r]] for r in range(len(rows))])
+            par = np.array([[cand[r]["scratch"][cand[r]["parent"][c]] if cand[r]["parent"][c] >= 0 else -1
+                             for c in frontier[r]] for r in range(len(rows))], np.int32)
+            out = self.rt.forward(sids, ids, par, np.broadcast_to(np.arange(k), (len(rows), k)).copy(),
+                                  {"features": np.stack(parent_feat).astype(np.float32)})
+            lp = _log_softmax(out.logits)                          # [R, k, Vd]
+            hid = out.hidden.copy()
+            top = _topk(lp, k)                                     # [R, k, k]
+            for r in range(len(rows)):
+                new = []
+                for a, c in enumerate(frontier[r]):
+                    cand[r]["scratch"][c] = n_scratch + a
+                    for j in top[r, a]:
+                        cand[r]["parent"].append(c)
+                        cand[r]["token"].append(int(self.vocab[j]))
+                        cand[r]["score"].append(cand[r]["score"][c] + float(lp[r, a, j]))
+                        cand[r]["scratch"].append(-1)
+                        new.append((len(cand[r]["token"]) - 1, a))
+                best = sorted(new, key=lambda x: -cand[r]["score"][x[0]])[:k]
+                frontier[r] = [c for c, _ in best]
+                parent_feat[r] = hid[r, [a for _, a in best]]
+            n_scratch += k
+        self.rt.commit(sids, [np.zeros(0, np.int64)] * len(sids))   # drop the scratch tree
+        for r, i in enumerate(rows):
+            drafts[i] = self._select(seqs[i].root, cand[r], int(budget[r]))
+        return drafts
+
+    def _catch_up(self, seqs: list[SequenceState]) -> tuple[np.ndarray, np.ndarray]:
+        """Feed pending (target feature, next token) pairs; -> (root logits [R, Vd],
+        predicted root features [R, H])."""
+        pend, toks = [], []
+        for s in seqs:
+            f = self._pending[s.seq_id]
+            fed = self._fed[s.seq_id]
+            ids = s.all_ids()
+            assert fed + len(f) == len(ids) - 1, (fed, len(f), len(ids))
+            pend.append(f)
+            toks.append(np.asarray(ids[fed + 1:], np.int64))
+        t = max(len(f) for f in pend)
+        h = pend[0].shape[1]
+        ids = np.zeros((len(seqs), t), np.int64)
+        feats = np.zeros((len(seqs), t, h), np.float32)
+        parents = np.full((len(seqs), t), PAD_PARENT, np.int32)
+        for r, (f, tk) in enumerate(zip(pend, toks)):
+            ids[r, : len(f)] = tk
+            feats[r, : len(f)] = f
+            parents[r, : len(f)] = np.arange(-1, len(f) - 1)
+        last = np.array([[len(f) - 1] for f in pend])
+        out = self.rt.forward([s.seq_id for s in seqs], ids, parents, last, {"features": feats})
+        logits = out.logits[:, 0].copy()
+        root_feat = np.stack([out.hidden[r, len(f) - 1] for r, f in enumerate(pend)])
+        self.rt.commit([s.seq_id for s in seqs], [np.arange(len(f)) for f in pend])
+        for s, f in zip(seqs, pend):
+            self._fed[s.seq_id] += len(f)
+            self._pending[s.seq_id] = f[:0]
+        return logits, root_feat
+
+    @staticmethod
+    def _select(root: int, cand: dict, n: int) -> Draft:
+        """The n most probable candidates as a TokenTree (parents before children)."""
+        order = sorted(range(len(cand["score"])), key=lambda c: -cand["score"][c])[:n]
+        keep = set(order)
+        for c in order:                              # ancestor closure (ties could break it)
+            p = cand["parent"][c]
+            while p >= 0 and p not in keep:
+                keep.add(p)
+                p = cand["parent"][p]
+        depth = {}
+        for c in sorted(keep):
+            p = cand["parent"][c]
+            depth[c] = 1 if p < 0 else depth[p] + 1
+        nodes = sorted(keep, key=lambda c: (depth[c], -cand["score"][c]))
+        index = {c: i + 1 for i, c in enumerate(nodes)}
+        parents = [-1] + [index[cand["parent"][c]] if cand["parent"][c] >= 0 else 0 for c in nodes]
+        tokens = [root] + [cand["token"][c] for c in nodes]
+        return Draft(TokenTree(np.array(parents, np.int32)), np.array(tokens, np.int64))

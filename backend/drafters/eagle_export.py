@@ -1,0 +1,44 @@
+"""Export a trained EAGLE head (train/eagle_train.py) to ONNX for a built target: the head's
+layer plus the target's embedding table and the target's LM-head rows of the draft vocabulary,
+through the same graph builder as the target (GraphSpec.eagle)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from backend.build.checkpoint import Checkpoint, SourceTensor, TokenizerSource
+from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.manifest import WeightFormat
+
+EAGLE_ONNX = "draft_eagle.onnx"
+
+
+def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
+    """The head as a 1-layer Checkpoint (vocab = draft vocabulary) and its vocab map [Vd]."""
+    from backend.train.eagle_train import load_head
+
+    cfg, w = load_head(head_dir)
+    if cfg["target_vocab_size"] != target.config.vocab_size or cfg["hidden_size"] != target.config.hidden_size:
+        raise ValueError(f"EAGLE head {head_dir} was trained for a target with vocab "
+                         f"{cfg['target_vocab_size']} / hidden {cfg['hidden_size']}, not this one "
+                         f"({target.config.vocab_size} / {target.config.hidden_size})")
+    vocab = np.asarray(w["draft_vocab"], np.int64)
+    head = target.tensors.get("lm_head", target.tensor("embed")).float32()[vocab]
+    tensors = {k: SourceTensor(k, "F32", tuple(v.shape), np.asarray(v, np.float32))
+               for k, v in w.items() if k != "draft_vocab"}
+    tensors["embed"] = target.tensor("embed")
+    tensors["lm_head"] = SourceTensor("lm_head", "F32", head.shape, head)
+    config = replace(target.config, vocab_size=int(vocab.size), num_layers=1,
+                     tie_word_embeddings=False, attention_bias=False)
+    return Checkpoint(config, tensors, TokenizerSource(), str(head_dir)), vocab
+
+
+def export_eagle_head(head_dir: Path, target: Checkpoint, engine_dir: Path, max_positions: int) -> Path:
+    ck, vocab = head_checkpoint(Path(head_dir), target)
+    model = build_decoder(ck, GraphSpec(WeightFormat.FP32, 1, max_positions, eagle=True))
+    path = Path(engine_dir) / EAGLE_ONNX
+    save_model(model, path)
+    np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
+    return path

@@ -1,0 +1,96 @@
+"""The EAGLE-style draft head in torch (training only; serving runs its ONNX export).
+
+Input at position t: the target's final-norm feature f_t and the embedding of the next token
+x_{t+1}; an FC layer fuses them (EAGLE, Li et al. 2024, arXiv:2401.15077), one Llama decoder
+layer with the target's dimensions runs over the sequence (causal / tree attention, its own KV
+cache at serve time), a final RMSNorm gives the predicted feature f^_{t+1}, and the target's
+frozen LM head restricted to the draft vocabulary (FR-Spec, Zhao et al. 2025) gives logits for
+x_{t+2}. The same math is emitted as ONNX by build/graph.py (GraphSpec.eagle).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: dict, embed: np.ndarray, head_rows: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray):
+        super().__init__()
+        h, nh, nkv, d, f = (cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"],
+                            cfg["head_dim"], cfg["intermediate_size"])
+        self.nh, self.nkv, self.d = nh, nkv, d
+        eps = cfg["rms_norm_eps"]
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.attn_norm, self.mlp_norm, self.final_norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
+        self.q = nn.Linear(h, nh * d, bias=False)
+        self.k = nn.Linear(h, nkv * d, bias=False)
+        self.v = nn.Linear(h, nkv * d, bias=False)
+        self.o = nn.Linear(nh * d, h, bias=False)
+        self.gate = nn.Linear(h, f, bias=False)
+        self.up = nn.Linear(h, f, bias=False)
+        self.down = nn.Linear(f, h, bias=False)
+        frozen = lambda a: torch.from_numpy(np.array(a, np.float32))              # copies
+        self.register_buffer("embed", frozen(embed), persistent=False)
+        self.register_buffer("head", frozen(head_rows), persistent=False)
+        self.register_buffer("cos", frozen(cos), persistent=False)
+        self.register_buffer("sin", frozen(sin), persistent=False)
+
+    def _rope(self, x, positions):                      # x [B, T, n, D], positions [B, T]
+        c = self.cos[positions][:, :, None, :]
+        s = self.sin[positions][:, :, None, :]
+        x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    def forward(self, feats, tokens, positions, mask):
+        """feats [B,T,H], tokens [B,T], positions [B,T], mask [B,1,T,T] additive
+        -> (predicted features [B,T,H], draft logits [B,T,Vd])."""
+        b, t, _ = feats.shape
+        x = self.fc(torch.cat([self.embed[tokens], feats], dim=-1))
+        hn = self.attn_norm(x)
+        q = self._rope(self.q(hn).view(b, t, self.nh, self.d), positions).transpose(1, 2)
+        k = self._rope(self.k(hn).view(b, t, self.nkv, self.d), positions).transpose(1, 2)
+        v = self.v(hn).view(b, t, self.nkv, self.d).transpose(1, 2)
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / np.sqrt(self.d) + mask, dim=-1)
+        x = x + self.o((att @ v).transpose(1, 2).reshape(b, t, self.nh * self.d))
+        hn = self.mlp_norm(x)
+        x = x + self.down(nn.functional.silu(self.gate(hn)) * self.up(hn))
+        feat = self.final_norm(x)
+        return feat, feat @ self.head.T
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Canonical tensor names (as checkpoint.py produces for a 1-layer model), float32."""
+        w = {f"layers.0.{k}": getattr(self, k).weight.detach().float().numpy() for k in LAYER_KEYS}
+        w["norm"] = self.final_norm.weight.detach().float().numpy()
+        w["fc"] = self.fc.weight.detach().float().numpy()
+        w["fc_bias"] = self.fc.bias.detach().float().numpy()
+        return w
+
+    def load_weights(self, w: dict[str, np.ndarray]) -> None:
+        with torch.no_grad():
+            for k in LAYER_KEYS:
+                getattr(self, k).weight.copy_(torch.from_numpy(np.asarray(w[f"layers.0.{k}"], np.float32)))
+            self.final_norm.weight.copy_(torch.from_numpy(np.asarray(w["norm"], np.float32)))
+            self.fc.weight.copy_(torch.from_numpy(np.asarray(w["fc"], np.float32)))
+            self.fc.bias.copy_(torch.from_numpy(np.asarray(w["fc_bias"], np.float32)))
+
+
+def causal_mask(t: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    m = torch.full((t, t), -1e30)
+    m = torch.triu(m, diagonal=1)
+    return m[None, None]

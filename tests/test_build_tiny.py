@@ -1,0 +1,118 @@
+"""Checkpoints the tests make themselves: tiny random HF directories (Llama with tied embeddings,
+Qwen2 with q/k/v bias) go through load, build (fp32 + 4-bit) and a forward that matches
+transformers; GGUF block decoding matches the gguf package; clear errors for what we refuse."""
+import json
+
+import numpy as np
+import pytest
+
+from backend.build import quant
+from backend.build.checkpoint import CheckpointError, load_checkpoint
+from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.manifest import WeightFormat
+from backend.runtime import load_runtime
+from conftest import chain, make_tiny_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_hf_checkpoint_build_and_forward(tmp_path, arch):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch)
+    m = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", quiet=True, measure_costs=False))
+    assert m.model.architecture == arch and m.model.attention_bias == (arch == "qwen2")
+    assert m.engine("fp32").batch_invariant and m.engine("q4").batch_invariant
+    assert (tmp_path / "repo" / "specdec" / "config.pbtxt").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 23)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+    for fmt, tol in (("fp32", 1e-4), ("q4", 0.15)):
+        rt = load_runtime(m, fmt)
+        rt.alloc(0)
+        out = rt.forward([0], ids[None], chain(ids.size), np.arange(ids.size)[None])
+        err = np.abs(out.logits[0] - ref).max() / np.abs(ref).max()
+        assert err < tol, (fmt, err)
+        rt.close()
+
+
+def test_manifest_and_templates_are_complete(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", quiet=True, measure_costs=False,
+                      weights=(WeightFormat.FP32,)))
+    man = json.loads((tmp_path / "repo" / ENGINE_SUBDIR / "manifest.json").read_text())
+    for key in ("model", "engines", "default_format", "device", "max_seq_len", "tokenizer_path",
+                "chat_template", "tool_versions"):
+        assert key in man, key
+    assert man["tool_versions"]["onnxruntime"] and man["device"] == "cpu"
+    for cfg in (tmp_path / "repo").glob("*/config.pbtxt"):
+        assert "${" not in cfg.read_text(), cfg
+
+
+def test_unfilled_template_fails(tmp_path):
+    from backend.build.templates import TemplateError, fill
+
+    with pytest.raises(TemplateError, match="nope"):
+        fill("a ${nope} b", {"x": 1}, "t")
+
+
+def _random_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
+    nbytes, nel = quant._BLOCK[qtype]
+    raw = rng.integers(0, 256, (rows, cols // nel, nbytes), dtype=np.uint8)
+    f16 = lambda shape: rng.uniform(0.001, 0.05, shape).astype(np.float16).view(np.uint8)
+    if qtype in ("Q4_0", "Q8_0"):
+        raw[..., 0:2] = f16((rows, cols // nel, 1)).reshape(rows, cols // nel, 2)
+    elif qtype == "Q4_1":
+        raw[..., 0:4] = f16((rows, cols // nel, 2)).reshape(rows, cols // nel, 4)
+    elif qtype == "Q4_K":
+        raw[..., 0:4] = f16((rows, cols // nel, 2)).reshape(rows, cols // nel, 4)
+    elif qtype == "Q6_K":
+        raw[..., 208:210] = f16((rows, cols // nel, 1)).reshape(rows, cols // nel, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_block_decoding_matches_gguf(qtype):
+    import gguf
+
+    raw = _random_blocks(qtype, 8, 512, np.random.default_rng(1))
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    ours = quant.decode_blocks(qtype, raw).dequantize()
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_nbits_repack_is_exact(tmp_path):
+    """One MatMulNBits node (+ offset correction) reproduces x @ W.T of Q4_1 weights."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from backend.build import graph
+
+    raw = _random_blocks("Q4_1", 64, 256, np.random.default_rng(2))
+    blocks = quant.decode_blocks("Q4_1", raw)
+    g = graph._Builder()
+    y = graph._Linear(g, WeightFormat.Q4)("x", "w", blocks)
+    g.op("Identity", [y], outputs=["y"])
+    model = helper.make_model(helper.make_graph(
+        g.nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 64])], g.inits),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    x = np.random.default_rng(3).standard_normal((1, 4, 256)).astype(np.float32)
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = x @ blocks.dequantize().T
+    # accuracy_level 4 quantizes activations to int8 per block: relative error well under 1%
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 0.01
+
+
+def test_unsupported_inputs_are_named(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    cfg["model_type"] = "gpt_neox"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="GPTNeoXForCausalLM"):
+        load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="Hugging Face checkpoint directory or a .gguf"):
+        load_checkpoint(tmp_path / "nothing.bin")

@@ -1,0 +1,104 @@
+"""EAGLE draft head: its ONNX export equals the torch model; dynamic trees are valid; greedy
+EAGLE speculation is token-identical to plain decoding; verification of the head's trees keeps
+the target distribution."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.manifest import EngineManifest
+from conftest import chain, make_tiny_checkpoint
+
+torch = pytest.importorskip("torch")
+
+
+def random_head(manifest: EngineManifest, out: Path, vocab_size: int, seed: int = 0) -> Path:
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.train.eagle_model import EagleHead
+    from backend.train.eagle_train import save_head
+
+    torch.manual_seed(seed)
+    mc = manifest.model
+    ck = load_checkpoint(manifest.source)
+    vocab = np.sort(np.random.default_rng(seed).choice(mc.vocab_size, vocab_size, replace=False))
+    cfg = {"hidden_size": mc.hidden_size, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
+           "head_dim": mc.head_dim, "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
+           "rope_theta": mc.rope_theta, "draft_vocab_size": vocab_size, "target_vocab_size": mc.vocab_size}
+    cos, sin = rope_tables(mc, manifest.max_seq_len)
+    embed = ck.tensor("embed").float32()
+    model = EagleHead(cfg, embed, embed[vocab], cos, sin)
+    save_head(out, model, cfg, vocab, manifest, {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    ckpt = make_tiny_checkpoint(d / "ckpt")
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False))
+    head = random_head(m, d / "head", vocab_size=128)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False,
+                          drafts=(f"eagle:{head}",)))
+    return m, head
+
+
+def test_head_onnx_equals_torch(tiny):
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.drafters.eagle_export import head_checkpoint
+    from backend.runtime.ort import OrtRuntime
+    from backend.train.eagle_model import EagleHead, causal_mask
+    from backend.train.eagle_train import load_head
+
+    m, head_dir = tiny
+    cfg, w = load_head(head_dir)
+    ck = load_checkpoint(m.source)
+    hck, vocab = head_checkpoint(head_dir, ck)
+    cos, sin = rope_tables(m.model, m.max_seq_len)
+    model = EagleHead(cfg, ck.tensor("embed").float32(), hck.tensor("lm_head").float32(), cos, sin)
+    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
+    rng = np.random.default_rng(0)
+    t = 13
+    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
+    toks = rng.integers(0, m.model.vocab_size, (1, t))
+    with torch.no_grad():
+        f_ref, l_ref = model(torch.from_numpy(feats), torch.from_numpy(toks),
+                             torch.arange(t)[None], causal_mask(t))
+    d = m.drafts["eagle"]
+    rt = OrtRuntime(m.resolve(d.path), hck.config, 1, m.max_seq_len)
+    rt.alloc(0)
+    out = rt.forward([0], toks, chain(t), np.arange(t)[None], {"features": feats})
+    np.testing.assert_allclose(out.hidden[0], f_ref[0].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.logits[0], l_ref[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_trees_are_valid_and_greedy_is_identical(tiny):
+    from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    m, _ = tiny
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=SpecConfig(
+        num_draft_tokens=6, max_tree_nodes=6, eagle_depth=3, eagle_topk=3)))
+    seen = []
+    orig = dec.drafters[DrafterKind.EAGLE].propose
+
+    def spy(seqs, budgets):
+        drafts = orig(seqs, budgets)
+        for d, b in zip(drafts, budgets):
+            seen.append((d, b))
+        return drafts
+
+    dec.drafters[DrafterKind.EAGLE].propose = spy
+    prompt = tuple(np.random.default_rng(1).integers(3, m.model.vocab_size, 20).tolist())
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
+    spec = [t for o in dec.generate(Request(prompt, params, DrafterKind.EAGLE)) for t in o.new_ids]
+    assert spec == plain
+    assert seen and any(d.num_draft_tokens > 0 for d, _ in seen)
+    for d, budget in seen:
+        p = d.tree.parents
+        assert p[0] == -1 and all(0 <= p[i] < i for i in range(1, p.size))
+        assert d.num_draft_tokens <= budget and d.tree.max_depth <= 3
