@@ -31,15 +31,20 @@ class FixedController:
     def __init__(self, spec: SpecConfig, default_k: int = 4):
         self.k = spec.num_draft_tokens if spec.num_draft_tokens is not None else default_k
         self.max_k = spec.max_draft_tokens
+        self.max_tree = spec.max_tree_nodes
 
     def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
         out = []
         for s in seqs:
             k = s.request.num_draft_tokens if s.request.num_draft_tokens is not None else self.k
-            out.append(0 if s.drafter is DrafterKind.NONE else min(k, self.max_k, s.draft_room()))
+            limit = self.max_tree if s.drafter is DrafterKind.EAGLE else self.max_k
+            out.append(0 if s.drafter is DrafterKind.NONE else min(k, limit, s.draft_room()))
         return out
 
     def observe(self, seq, draft, verdict, batch: int, draft_s: float, verify_s: float) -> None:
+        return None
+
+    def forget(self, seq) -> None:
         return None
 
 
@@ -58,8 +63,9 @@ class CostModel:
                      if m <= self.tokens[-1] else
                      self.seconds[-1] * m / self.tokens[-1]) + self.per_seq_s * (b - 1)
 
-    def draft(self, kind: DrafterKind, b: int, k: int) -> float:
-        return self.draft_step_s.get(kind.value, 0.0) * k * (1 + 0.25 * (b - 1))
+    def draft(self, kind: DrafterKind, b: int, steps: int) -> float:
+        """Time of `steps` sequential draft forwards for a batch of b sequences."""
+        return self.draft_step_s.get(kind.value, 0.0) * steps * (1 + 0.25 * (b - 1))
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "per_seq_s": self.per_seq_s,
@@ -90,17 +96,44 @@ class _Acceptance:
         return (self.acc + prior * strength) / (self.drafted + strength)
 
 
+TREE_SIZES = (4, 8, 12, 16)      # tree budgets the controller chooses between (tree drafters)
+
+
+class _Arm:
+    """Decayed mean of tokens emitted per step when speculating with one tree size."""
+
+    def __init__(self, prior: float, decay: float = 0.98, strength: float = 2.0):
+        self.total, self.count = prior * strength, strength
+        self.decay = decay
+
+    def update(self, emitted: int) -> None:
+        self.total = self.total * self.decay + emitted
+        self.count = self.count * self.decay + 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count
+
+
 class AdaptiveController:
-    def __init__(self, spec: SpecConfig, cost: CostModel, decay: float = 0.9,
-                 prior_strength: float = 2.0):
+    """See the module docstring. Chain drafters (prompt lookup, draft model) are modelled by
+    per-depth acceptance; tree drafters (EAGLE) by the measured tokens per step of each tree
+    size in TREE_SIZES (optimistic priors make untried sizes get tried; decay keeps adapting)."""
+
+    def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
+                 decay: float = 0.9, prior_strength: float = 2.0):
         self.max_k = spec.max_draft_tokens
+        self.max_tree = spec.max_tree_nodes
+        self.eagle_depth = spec.eagle_depth
         self.cost = cost
+        self.tree_kinds = tree_kinds
         self.decay = decay
         self.strength = prior_strength
         self._seq: dict[int, _Acceptance] = {}
         self._pool: dict[DrafterKind, _Acceptance] = {}
-        self._scale = 1.0                      # measured / predicted step time (EMA)
+        self._arms: dict[tuple[DrafterKind, int], _Arm] = {}
 
+    # --- acceptance models -------------------------------------------------------------------
     def _prior(self, kind: DrafterKind) -> np.ndarray:
         pool = self._pool.get(kind)
         if pool is None:
@@ -112,25 +145,48 @@ class AdaptiveController:
         prior = self._prior(seq.drafter)
         return prior if st is None else st.alpha(prior, self.strength)
 
+    def _arm(self, kind: DrafterKind, size: int) -> _Arm:
+        if (kind, size) not in self._arms:
+            self._arms[(kind, size)] = _Arm(prior=1.0 + 3.0 * (1 - np.exp(-size / 6.0)))
+        return self._arms[(kind, size)]
+
+    def expected_tokens(self, seq: SequenceState, k: int) -> float:
+        """E[tokens emitted in one step] for sequence `seq` with a draft budget of k."""
+        if k <= 0 or seq.drafter is DrafterKind.NONE:
+            return 1.0
+        if seq.drafter in self.tree_kinds:
+            size = max((z for z in TREE_SIZES if z <= min(k, self.max_tree)), default=0)
+            return self._arm(seq.drafter, size).mean if size else 1.0
+        return 1.0 + float(np.cumprod(self.alphas(seq)[: min(k, self.max_k)]).sum())
+
+    def _draft_cost(self, kinds: set, batch: int, k: int) -> float:
+        total = 0.0
+        for kd in kinds:
+            steps = min(k, self.eagle_depth) if kd in self.tree_kinds else min(k, self.max_k)
+            total += self.cost.draft(kd, batch, steps)
+        return total
+
+    # --- the choice --------------------------------------------------------------------------
     def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
         forced = [s.request.num_draft_tokens for s in seqs]
-        spec = [i for i, s in enumerate(seqs) if s.drafter is not DrafterKind.NONE and forced[i] is None]
-        k_star = self.choose_k([self.alphas(seqs[i]) for i in spec], [seqs[i].drafter for i in spec],
-                               len(seqs)) if spec else 0
+        free = [s for s, f in zip(seqs, forced) if s.drafter is not DrafterKind.NONE and f is None]
+        k_star = self.choose_k(free, len(seqs)) if free else 0
         out = []
         for s, f in zip(seqs, forced):
             k = 0 if s.drafter is DrafterKind.NONE else (f if f is not None else k_star)
-            out.append(min(k, self.max_k, s.draft_room()))
+            limit = self.max_tree if s.drafter in self.tree_kinds else self.max_k
+            out.append(min(k, limit, s.draft_room()))
         return out
 
-    def choose_k(self, alphas: list[np.ndarray], kinds: list[DrafterKind], batch: int) -> int:
-        """argmax_k expected tokens per second for the batch (alphas of speculating rows)."""
-        plain_rows = batch - len(alphas)
+    def choose_k(self, seqs: list[SequenceState], batch: int) -> int:
+        """argmax_k expected output tokens per second of the whole batch."""
+        plain_rows = batch - len(seqs)
+        kinds = {s.drafter for s in seqs}
+        top = max(self.max_tree if kd in self.tree_kinds else self.max_k for kd in kinds)
         best_k, best = 0, -1.0
-        for k in range(self.max_k + 1):
-            tokens = plain_rows + sum(1.0 + float(np.cumprod(a[:k]).sum()) for a in alphas)
-            t = self.cost.verify(batch, k + 1) + sum(self.cost.draft(kd, batch, k) for kd in set(kinds))
-            rate = tokens / t
+        for k in range(top + 1):
+            tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
+            rate = tokens / (self.cost.verify(batch, k + 1) + self._draft_cost(kinds, batch, k))
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
         return best_k
@@ -139,6 +195,11 @@ class AdaptiveController:
                 verify_s: float) -> None:
         depth = draft.tree.max_depth
         if depth == 0:
+            return
+        if seq.drafter in self.tree_kinds:
+            size = max((z for z in TREE_SIZES if z <= draft.num_draft_tokens), default=0)
+            if size:
+                self._arm(seq.drafter, size).update(verdict.num_accepted + 1)
             return
         st = self._seq.setdefault(seq.seq_id, _Acceptance(self.max_k, self.decay))
         pool = self._pool.setdefault(seq.drafter, _Acceptance(self.max_k, 0.995))

@@ -60,8 +60,9 @@ class SpecDecoder:
                 raise RequestError("drafter", f"{kind.value!r} is not available on this server "
                                               f"(available: none, {', '.join(k.value for k in self.drafters)})")
             self.drafters[kind].check_params(request.params)
-        if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= self.spec.max_draft_tokens:
-            raise RequestError("num_draft_tokens", f"must be in [0, {self.spec.max_draft_tokens}], "
+        limit = self.spec.max_tree_nodes if kind is DrafterKind.EAGLE else self.spec.max_draft_tokens
+        if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= limit:
+            raise RequestError("num_draft_tokens", f"must be in [0, {limit}] for drafter {kind.value}, "
                                                    f"got {request.num_draft_tokens}")
         p = request.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tok.eos_token_ids))
@@ -95,6 +96,7 @@ class SpecDecoder:
 
     def finish(self, seq: SequenceState) -> None:
         self.target.free(seq.seq_id)
+        self.controller.forget(seq)
         drafter = self.drafters.get(seq.drafter)
         if drafter is not None:
             drafter.end(seq)

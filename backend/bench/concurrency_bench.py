@@ -1,0 +1,137 @@
+"""`specdec bench --concurrency 1,2,4,...`: speculation under load, against the real Triton server.
+
+For each concurrency level n, n client threads (one gRPC stream each) send the prompts as fast
+as they complete, in three modes run back to back on the same server: plain decoding
+(drafter none), fixed K = 5, and auto (the adaptive controller). Reports total output tokens
+per second across all streams, TPOT and E[tau], and draws speedup vs concurrency (PNG).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+
+MODES = ("plain", "fixed", "auto")
+
+
+def _one_request(url: str, fields: dict) -> dict:
+    from backend.serve import client
+
+    t0 = time.perf_counter()
+    times: list[float] = []
+
+    def on_text(chunk: str) -> None:
+        times.append(time.perf_counter())
+
+    stats = client.stream_grpc(url, "specdec", fields, on_text)
+    n = int(stats.get("output_token_count", 0))
+    first = times[0] if times else time.perf_counter()
+    return {"tokens": n, "seconds": time.perf_counter() - t0,
+            "tpot_s": (times[-1] - first) / (n - 1) if n > 1 and times else 0.0,
+            "tau": float(stats.get("mean_accepted_tokens", 0.0))}
+
+
+def run_level(url: str, prompts: list[dict], n: int, total: int, fields: dict) -> dict:
+    work: queue.Queue = queue.Queue()
+    for i in range(total):
+        work.put(prompts[i % len(prompts)])
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            try:
+                item = work.get_nowait()
+            except queue.Empty:
+                return
+            msgs = json.dumps(item["messages"])
+            try:
+                r = _one_request(url, {**fields, "text_input": msgs})
+            except Exception as exc:                   # report, keep measuring the rest
+                errors.append(str(exc))
+                continue
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    taus = [r["tau"] for r in results if r["tau"] > 0]
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "seconds": wall,
+            "tpot_ms": 1000 * sum(r["tpot_s"] for r in results) / max(1, len(results)),
+            "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0, "errors": errors}
+
+
+def main(args) -> dict:
+    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.cli import _prompts
+    from backend.serve.launcher import TritonServer
+
+    levels = [int(x) for x in str(args.concurrency).split(",")]
+    prompts = _prompts(args.prompts)
+    drafter = args.drafter.partition(":")[0]
+    base = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "stream": True,
+            "apply_chat_template": True}
+    modes = {"plain": {**base, "drafter": "none"},
+             "fixed": {**base, "drafter": drafter, "num_draft_tokens": 5},
+             "auto": {**base, "drafter": drafter}}
+    repo = Path(args.model_repository)
+    if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
+        raise SystemExit(f"no engines in {repo}: run `specdec build` first")
+    rows = []
+    with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log")) as srv:
+        run_level(srv.grpc_url, prompts, 1, 1, modes["plain"])          # warm-up
+        for n in levels:
+            total = max(2 * n, 4)
+            row = {"n": n}
+            for mode in MODES:
+                r = run_level(srv.grpc_url, prompts, n, total, modes[mode])
+                row[f"{mode}_tokens_per_s"] = round(r["tokens_per_s"], 2)
+                row[f"{mode}_tpot_ms"] = round(r["tpot_ms"], 2)
+                row[f"{mode}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
+                if r["errors"]:
+                    row[f"{mode}_errors"] = r["errors"][:3]
+            row["fixed_speedup"] = round(row["fixed_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            row["auto_speedup"] = round(row["auto_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            rows.append(row)
+            print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 "
+                  f"{row['fixed_tokens_per_s']:7.1f} (x{row['fixed_speedup']:.2f}, E[tau] "
+                  f"{row['fixed_mean_accepted_tokens']:.2f})  auto {row['auto_tokens_per_s']:7.1f} "
+                  f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f})", flush=True)
+    result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "concurrency": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["concurrency"]
+    n = [r["n"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(n, [r["fixed_speedup"] for r in rows], marker="o", label="fixed K=5")
+    ax.plot(n, [r["auto_speedup"] for r in rows], marker="s", label="auto (cost model + acceptance)")
+    ax.axhline(1.0, color="gray", lw=1, ls="--", label="plain decoding")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(x) for x in n])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("throughput / plain throughput")
+    ax.set_title(f"specdec on Triton, drafter {result['drafter']}, {result['max_new_tokens']} new tokens")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

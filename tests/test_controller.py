@@ -1,0 +1,94 @@
+"""The adaptive speculation controller on synthetic cost models and acceptance rates."""
+import numpy as np
+
+from backend.config import DrafterKind, SamplingParams, SpecConfig
+from backend.controller import AdaptiveController, CostModel
+from backend.sequence import Request, SequenceState, TextState
+from backend.runtime.toy import ToyTokenizer
+
+GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def seq(i: int, kind=DrafterKind.PROMPT_LOOKUP) -> SequenceState:
+    s = SequenceState(i, Request((1, 2, 3), SamplingParams(max_tokens=1000), kind), kind,
+                      np.random.default_rng(0), frozenset(), TextState(ToyTokenizer(), ()), 4096)
+    s.output_ids.append(5)
+    return s
+
+
+def controller(cost: CostModel, alpha: float, n: int, kind=DrafterKind.PROMPT_LOOKUP):
+    c = AdaptiveController(SpecConfig(max_draft_tokens=8), cost)
+    seqs = [seq(i, kind) for i in range(n)]
+
+    class D:                      # a chain draft of depth 8, accepted with rate alpha per depth
+        class tree:
+            max_depth = 8
+        num_draft_tokens = 8
+
+    class V:
+        num_accepted = 0
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        for s in seqs:
+            k = 0
+            while k < 8 and rng.random() < alpha:
+                k += 1
+            V.num_accepted = k
+            c.observe(s, D, V, n, 0.0, 0.0)
+    return c, seqs
+
+
+MEMORY_BOUND = CostModel(GRID, [0.030 + 0.0005 * m for m in GRID])       # flat until compute
+COMPUTE_BOUND = CostModel(GRID, [0.030 * m for m in GRID])                # every token costs
+
+
+def test_large_k_when_acceptance_high_and_batch_small():
+    c, seqs = controller(MEMORY_BOUND, alpha=0.85, n=1)
+    assert c.budgets(seqs, 4096)[0] >= 6
+
+
+def test_zero_when_verification_is_compute_bound():
+    c, seqs = controller(COMPUTE_BOUND, alpha=0.6, n=1)
+    assert c.budgets(seqs, 4096)[0] == 0
+
+
+def test_zero_when_acceptance_is_low():
+    cost = CostModel(GRID, [0.030 + 0.003 * m for m in GRID])          # each token +10%
+    c, seqs = controller(cost, alpha=0.05, n=1)
+    assert c.budgets(seqs, 4096)[0] == 0
+
+
+def test_k_shrinks_smoothly_with_load():
+    """A realistic cost curve: K falls as the batch grows, one step at a time (no cliff)."""
+    cost = CostModel(GRID, [0.030 + 0.0025 * m for m in GRID], per_seq_s=0.001)
+    ks = []
+    for n in range(1, 33):
+        c, seqs = controller(cost, alpha=0.7, n=n)
+        ks.append(c.budgets(seqs, 4096)[0])
+    assert ks[0] >= 4 and ks[-1] <= 1, ks
+    assert all(b <= a for a, b in zip(ks, ks[1:])), ks            # monotone in load
+    assert all(a - b <= 2 for a, b in zip(ks, ks[1:])), ks         # no cliff
+
+
+def test_request_override_and_plain_rows():
+    c, seqs = controller(MEMORY_BOUND, alpha=0.85, n=2)
+    seqs[0] = SequenceState(9, Request((1,), SamplingParams(), DrafterKind.PROMPT_LOOKUP, num_draft_tokens=2),
+                            DrafterKind.PROMPT_LOOKUP, np.random.default_rng(0), frozenset(),
+                            TextState(ToyTokenizer(), ()), 4096)
+    seqs[0].output_ids.append(3)
+    plain = seq(7, DrafterKind.NONE)
+    b = c.budgets(seqs + [plain], 4096)
+    assert b[0] == 2 and b[1] >= 4 and b[2] == 0
+
+
+def test_tree_drafter_picks_a_size_by_measured_yield():
+    c = AdaptiveController(SpecConfig(max_tree_nodes=16), MEMORY_BOUND)
+    s = seq(0, DrafterKind.EAGLE)
+    for size, emitted in ((4, 1.2), (8, 1.3), (12, 1.3), (16, 1.3)):   # trees barely help
+        for _ in range(100):
+            c._arm(DrafterKind.EAGLE, size).update(emitted)
+    assert c.budgets([s], 4096)[0] == 0 or c.expected_tokens(s, 4) < 1.3
+    for size, emitted in ((4, 2.0), (8, 3.0), (12, 3.6), (16, 3.8)):
+        for _ in range(300):
+            c._arm(DrafterKind.EAGLE, size).update(emitted)
+    assert c.budgets([s], 4096)[0] in (12, 16)
