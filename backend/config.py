@@ -25,6 +25,7 @@ class DrafterKind(str, enum.Enum):
     PROMPT_LOOKUP = "prompt-lookup"  # n-gram match in prompt + generated text
     DRAFT_MODEL = "draft-model"      # separate draft model or self-draft (first N layers)
     EAGLE = "eagle"                  # trained feature-level draft head
+    LOOKUP_EAGLE = "lookup+eagle"    # prompt lookup when it matches, else the EAGLE head
     AUTO = "auto"                    # the server's default drafter
 
 
@@ -68,8 +69,8 @@ class SamplingParams:
 class SpecConfig:
     """How a server speculates (defaults for requests that do not say)."""
 
-    drafter: DrafterKind = DrafterKind.AUTO
-    auto_drafter: DrafterKind = DrafterKind.PROMPT_LOOKUP   # what AUTO means on this server
+    auto_drafter: DrafterKind = DrafterKind.AUTO   # what a request's "auto" means; AUTO = the best
+                                                   # available (lookup+eagle, else prompt-lookup)
     num_draft_tokens: int | None = None     # None = adaptive (cost model + acceptance)
     max_draft_tokens: int = 8               # per-request overrides are clamped to this
     max_tree_nodes: int = 16                # verified nodes per sequence per step (root excluded)

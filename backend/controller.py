@@ -37,7 +37,7 @@ class FixedController:
         out = []
         for s in seqs:
             k = s.request.num_draft_tokens if s.request.num_draft_tokens is not None else self.k
-            limit = self.max_tree if s.drafter is DrafterKind.EAGLE else self.max_k
+            limit = self.max_tree if s.drafter in (DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE) else self.max_k
             out.append(0 if s.drafter is DrafterKind.NONE else min(k, limit, s.draft_room()))
         return out
 

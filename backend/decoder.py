@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -38,6 +39,13 @@ class SpecDecoder:
         self.target = target
         self.tok = tokenizer
         self.drafters = drafters
+        if spec.auto_drafter is DrafterKind.AUTO:
+            best = next((k for k in (DrafterKind.LOOKUP_EAGLE, DrafterKind.PROMPT_LOOKUP) if k in drafters),
+                        DrafterKind.NONE)
+            spec = replace(spec, auto_drafter=best)
+        elif spec.auto_drafter is not DrafterKind.NONE and spec.auto_drafter not in drafters:
+            raise ValueError(f"default drafter {spec.auto_drafter.value!r} is not available "
+                             f"(available: {[k.value for k in drafters]})")
         self.spec = spec
         self.controller = controller or FixedController(spec)
         self.prefill_chunk = prefill_chunk
@@ -60,7 +68,8 @@ class SpecDecoder:
                 raise RequestError("drafter", f"{kind.value!r} is not available on this server "
                                               f"(available: none, {', '.join(k.value for k in self.drafters)})")
             self.drafters[kind].check_params(request.params)
-        limit = self.spec.max_tree_nodes if kind is DrafterKind.EAGLE else self.spec.max_draft_tokens
+        tree = kind in (DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE)
+        limit = self.spec.max_tree_nodes if tree else self.spec.max_draft_tokens
         if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= limit:
             raise RequestError("num_draft_tokens", f"must be in [0, {limit}] for drafter {kind.value}, "
                                                    f"got {request.num_draft_tokens}")

@@ -15,15 +15,6 @@ from backend.controller import AdaptiveController, CostModel, FixedController
 from backend.tokenizer import Tokenizer
 
 
-def available_drafters(manifest: EngineManifest) -> list[DrafterKind]:
-    kinds = [DrafterKind.PROMPT_LOOKUP]
-    if any(d.kind in ("model", "self") for d in manifest.drafts.values()):
-        kinds.append(DrafterKind.DRAFT_MODEL)
-    if "eagle" in manifest.drafts:
-        kinds.append(DrafterKind.EAGLE)
-    return kinds
-
-
 def default_draft_model(manifest: EngineManifest) -> str | None:
     for name, d in manifest.drafts.items():
         if d.kind == "model":
@@ -51,12 +42,15 @@ def make_decoder(cfg: ServeConfig, manifest: EngineManifest | None = None) -> Sp
             spec.draft_width)
     if "eagle" in manifest.drafts:
         from backend.drafters.eagle import EagleDrafter
+        from backend.drafters.hybrid import LookupEagleDrafter
 
-        drafters[DrafterKind.EAGLE] = EagleDrafter.from_manifest(manifest, spec, threads=cfg.threads)
-    if spec.auto_drafter not in drafters and spec.auto_drafter is not DrafterKind.NONE:
-        spec = replace(spec, auto_drafter=DrafterKind.PROMPT_LOOKUP)
+        eagle = EagleDrafter.from_manifest(manifest, spec, threads=cfg.threads)
+        drafters[DrafterKind.EAGLE] = eagle
+        drafters[DrafterKind.LOOKUP_EAGLE] = LookupEagleDrafter(
+            drafters[DrafterKind.PROMPT_LOOKUP], eagle, spec.max_draft_tokens)
     controller = FixedController(spec)
     if spec.num_draft_tokens is None and manifest.cost_model:
-        controller = AdaptiveController(spec, CostModel.from_json(manifest.cost_model))
+        controller = AdaptiveController(spec, CostModel.from_json(manifest.cost_model),
+                                        tree_kinds=frozenset({DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE}))
     return SpecDecoder(target, Tokenizer.from_manifest(manifest), drafters, spec, controller,
                        prefill_chunk=cfg.prefill_chunk)

@@ -33,7 +33,7 @@ def serve_config(args: dict) -> ServeConfig:
     engine_dir = (repo_root / p["engine_dir"]).resolve()
     drafter = p.get("default_drafter", "auto") or "auto"
     k = p.get("num_draft_tokens", "auto")
-    spec = SpecConfig(auto_drafter=DrafterKind(drafter) if drafter != "auto" else SpecConfig().auto_drafter,
+    spec = SpecConfig(auto_drafter=DrafterKind(drafter),
                       num_draft_tokens=None if k in ("", "auto") else int(k))
     return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
                        spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32))

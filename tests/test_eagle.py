@@ -97,6 +97,9 @@ def test_dynamic_trees_are_valid_and_greedy_is_identical(tiny):
     plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
     spec = [t for o in dec.generate(Request(prompt, params, DrafterKind.EAGLE)) for t in o.new_ids]
     assert spec == plain
+    hybrid = [t for o in dec.generate(Request(prompt + prompt, params, DrafterKind.LOOKUP_EAGLE)) for t in o.new_ids]
+    plain2 = [t for o in dec.generate(Request(prompt + prompt, params, DrafterKind.NONE)) for t in o.new_ids]
+    assert hybrid == plain2
     assert seen and any(d.num_draft_tokens > 0 for d, _ in seen)
     for d, budget in seen:
         p = d.tree.parents
