@@ -97,10 +97,12 @@ def cmd_serve(args) -> int:
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.serve.launcher import TritonServer
 
+    from backend.build.embedded import default_drafts
+
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
         print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
-        build(BuildConfig(target=None, output=repo, drafts=tuple(args.draft)))
+        build(BuildConfig(target=None, output=repo, drafts=tuple(args.draft) or default_drafts()))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()
@@ -169,8 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--draft", action="append", default=["self:4"],
-                   help="drafts to build on first run (default: self:4)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="drafts to build on first run (default: self:4 and the committed EAGLE head)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--log-file", default=None)
     p.set_defaults(func=cmd_serve)

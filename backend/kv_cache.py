@@ -20,25 +20,6 @@ from backend.tree import MASK_VALUE
 PAD_PARENT = -2   # a padding node in a ragged batch: attends to itself only, never committed
 
 
-def tree_depths(parents: np.ndarray) -> np.ndarray:
-    """[T] depths for a parents row where -1 = child of the prefix and -2 = padding (depth 0)."""
-    d = np.zeros(parents.size, np.int64)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            d[i] = d[p] + 1
-    return d
-
-
-def tree_visibility(parents: np.ndarray) -> np.ndarray:
-    """[T, T] bool: node i sees node j (j is i or an ancestor of i). Padding sees itself."""
-    n = parents.size
-    m = np.eye(n, dtype=bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] |= m[p]
-    return m
-
-
 class KVLayout:
     """Column bookkeeping of one batch group.
 

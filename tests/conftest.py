@@ -25,11 +25,12 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def built_repo(tmp_path_factory, gguf_path) -> Path:
-    """The embedded default built into a fresh model repository (fp32 + q4 + self:4 draft)."""
+    """The embedded default built as `specdec serve` builds it (fp32 + q4, self:4, EAGLE head)."""
+    from backend.build.embedded import default_drafts
     from backend.build.pipeline import BuildConfig, build
 
     out = tmp_path_factory.mktemp("model_repository")
-    build(BuildConfig(target=str(gguf_path), output=out, drafts=("self:4",), quiet=True))
+    build(BuildConfig(target=str(gguf_path), output=out, drafts=default_drafts(), quiet=True))
     return out
 
 

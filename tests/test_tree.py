@@ -71,3 +71,20 @@ def test_layout_bias_positions_commit_and_padding():
     assert lay.columns(1).tolist() == [0, 3, 4]
     lay.truncate(0, 4)
     assert lay.columns(0).tolist() == [0, 1, 2, 3]
+
+
+def test_scratch_tree_across_forwards():
+    """A drafter grows a tree over two forwards; the second level sees only its own ancestors."""
+    lay = KVLayout(1, np.array([2]))
+    bias, pos = lay.forward_inputs(np.array([[-1, -1]], np.int32))     # two roots' children
+    assert pos.tolist() == [[2, 2]]
+    lay.append(2)
+    bias, pos = lay.forward_inputs(np.array([[0, 1, 2]], np.int32))    # node 4 is a child of node 2
+    vis = (bias[0] == 0).astype(int)
+    # columns: 2 committed, scratch nodes 0,1 at columns 2,3, then the three new nodes
+    assert vis.tolist() == [[1, 1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 0, 1, 0], [1, 1, 1, 0, 1, 0, 1]]
+    assert pos.tolist() == [[3, 3, 4]]
+    lay.append(3)
+    lay.commit(0, np.array([0, 2, 4]))
+    assert lay.columns(0).tolist() == [0, 1, 2, 4, 6] and lay.lengths.tolist() == [5]
+    assert not lay.has_scratch()

@@ -200,6 +200,19 @@ def test_greedy_accepts_exactly_the_argmax_path():
     assert not v.final_is_bonus
 
 
+def test_fixed_shape_batch_output():
+    from backend.verify import pad_verdicts
+
+    tree = TokenTree.from_choices([[0], [1], [0, 0]])
+    logits = np.zeros((4, 5), np.float32)
+    logits[0, 2] = logits[2, 4] = logits[1, 1] = logits[3, 0] = 1.0
+    a = verify_tree(tree, np.array([9, 2, 1, 1]), logits, SamplingParams(), None)
+    b = verify_tree(tree, np.array([9, 3, 3, 3]), logits, SamplingParams(), None)
+    out, num, nodes = pad_verdicts([a, b], tree.max_depth)
+    assert out.tolist() == [[2, 1, 0], [2, -1, -1]]
+    assert num.tolist() == [2, 0] and nodes.tolist() == [[0, 1, 3], [0, -1, -1]]
+
+
 def test_verify_tree_sampled_path_uses_target_probs():
     """verify_tree (logits in) and verify_sampled (probabilities in) agree draw for draw."""
     target, draft = ToyModel(6, 1), ToyModel(6, 2)
