@@ -116,3 +116,23 @@ def test_unsupported_inputs_are_named(tmp_path):
         load_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match="Hugging Face checkpoint directory or a .gguf"):
         load_checkpoint(tmp_path / "nothing.bin")
+
+
+def test_unsupported_gguf_quantization_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(256)
+    w.add_head_count(4)
+    w.add_feed_forward_length(512)
+    w.add_context_length(128)
+    raw = np.zeros((256, 256 // 256 * 176), np.uint8)          # Q5_K: 176 bytes per 256 values
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="Q5_K"):
+        load_checkpoint(path)
