@@ -105,3 +105,24 @@ def test_dynamic_trees_are_valid_and_greedy_is_identical(tiny):
         p = d.tree.parents
         assert p[0] == -1 and all(0 <= p[i] < i for i in range(1, p.size))
         assert d.num_draft_tokens <= budget and d.tree.max_depth <= 3
+
+
+def test_eagle_state_survives_speculation_off_and_on(tiny):
+    """Budgets 6, 0, 0, 6, ...: the head's KV and pending features stay in sync (the catch-up
+    asserts it every step; acceptance not collapsing is checked with the trained head in
+    test_spec_engine.py)."""
+    from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    m, _ = tiny
+    spec = SpecConfig(num_draft_tokens=6, max_tree_nodes=6, eagle_depth=3, eagle_topk=3)
+    prompt = tuple(np.random.default_rng(2).integers(3, m.model.vocab_size, 16).tolist())
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
+    plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
+    budgets = iter([6, 0, 0, 6, 0, 6, 6, 0] * 20)
+    dec.controller.budgets = lambda seqs, max_len: [min(next(budgets), s.draft_room()) for s in seqs]
+    toggled = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
+    assert [t for o in toggled for t in o.new_ids] == plain
+    assert toggled[-1].stats.num_steps < 48 and toggled[-1].stats.num_draft_tokens > 0

@@ -39,13 +39,14 @@ def plain(built_repo, prompts):
     return [generate(dec, ids, DrafterKind.NONE)[0] for ids in prompts]
 
 
+HAS_HEAD = (__import__("backend.build.embedded", fromlist=["DEFAULT_HEAD"]).DEFAULT_HEAD / "head.safetensors").exists()
 CONFIGS = [
     ("prompt-lookup", dict(num_draft_tokens=3)),
     ("prompt-lookup", dict(num_draft_tokens=6, prompt_lookup_width=2)),
     ("prompt-lookup", dict()),                                   # adaptive K
     ("draft-model", dict(num_draft_tokens=2)),
     ("draft-model", dict(num_draft_tokens=4, draft_width=2)),
-]
+] + ([("eagle", dict(num_draft_tokens=12)), ("eagle", dict()), ("lookup+eagle", dict())] if HAS_HEAD else [])
 
 
 @pytest.mark.parametrize("kind,spec", CONFIGS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CONFIGS)])
@@ -91,3 +92,16 @@ def test_seeded_sampling_reproducible(built_repo, prompts):
     a = generate(dec, prompts[2], DrafterKind.DRAFT_MODEL, p)[0]
     b = generate(dec, prompts[2], DrafterKind.DRAFT_MODEL, p)[0]
     assert a == b and len(a) > 0
+
+
+@pytest.mark.skipif(not HAS_HEAD, reason="no trained EAGLE head committed")
+def test_eagle_acceptance_survives_speculation_off_and_on(built_repo, prompts, plain):
+    """Known failure elsewhere: acceptance silently collapsing after re-enabling speculation."""
+    dec = decoder(built_repo, num_draft_tokens=12)
+    always = generate(dec, prompts[2], DrafterKind.EAGLE)
+    budgets = iter([12, 0, 0, 12, 0, 12, 12, 0] * 20)
+    dec.controller.budgets = lambda seqs, max_len: [min(next(budgets), s.draft_room()) for s in seqs]
+    toggled = generate(dec, prompts[2], DrafterKind.EAGLE)
+    assert toggled[0] == plain[2]
+    assert always[1].acceptance_rate > 0.1
+    assert toggled[1].acceptance_rate >= 0.8 * always[1].acceptance_rate
