@@ -5,7 +5,7 @@
    JSON-lines file as they finish, so an interrupted run resumes.
 2. features: the serving-format target is run teacher-forced over prompt + response; for every
    position we keep its final-norm feature (fp16) and the target's top-k next-token
-   distribution. Written in shards; existing shards are skipped on resume.
+   distribution (ids and probabilities, unordered). Written in shards; existing shards are skipped on resume.
 """
 from __future__ import annotations
 

@@ -43,13 +43,17 @@ class TrainConfig:
 
 
 def _sequences(shards: list[Path]):
+    """Sequences from the feature shards, each position's top-k sorted best first."""
     seqs = []
     for p in shards:
         z = np.load(p)
+        order = np.argsort(-z["top_p"].astype(np.float32), axis=-1, kind="stable")
+        top_ids = np.take_along_axis(z["top_ids"], order, -1)
+        top_p = np.take_along_axis(z["top_p"], order, -1)
         off = z["offsets"]
         for a, b, pl in zip(off[:-1], off[1:], z["prompt_lens"]):
-            seqs.append({"tokens": z["tokens"][a:b], "feats": z["feats"][a:b], "top_ids": z["top_ids"][a:b],
-                         "top_p": z["top_p"][a:b], "prompt_len": int(pl)})
+            seqs.append({"tokens": z["tokens"][a:b], "feats": z["feats"][a:b], "top_ids": top_ids[a:b],
+                         "top_p": top_p[a:b], "prompt_len": int(pl)})
     return seqs
 
 
@@ -133,7 +137,10 @@ def train(cfg: TrainConfig) -> Path:
     manifest = EngineManifest.load(cfg.engine_dir)
     gen_fmt = cfg.gen_format or ("q4" if "q4" in manifest.engines else manifest.default_format.value)
     t0 = time.time()
-    prompts = build_prompts(cfg.num_prompts, cfg.seed)
+    from backend.train.prompts import tokenizer_words
+
+    words = tokenizer_words(manifest.resolve(manifest.tokenizer_path).read_text())
+    prompts = build_prompts(cfg.num_prompts, cfg.seed, words)
     recs = generate_responses(cfg.engine_dir, prompts, work / "data" / "responses.jsonl", gen_fmt,
                               cfg.max_new_tokens)
     shards = extract_features(cfg.engine_dir, recs, work / "data" / "features", manifest.default_format.value)

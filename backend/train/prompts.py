@@ -9,6 +9,7 @@ import importlib
 import inspect
 import pkgutil
 import random
+import json
 import re
 import sys
 import warnings
@@ -67,8 +68,63 @@ def _docs(max_modules: int = 400) -> list[tuple[str, str, str]]:
     return out
 
 
-def build_prompts(n: int, seed: int = 0) -> list[list[dict]]:
-    """n single-turn chat conversations ([{"role": "user", "content": ...}])."""
+_TEMPLATES_GENERAL = [
+    "Explain how {w} works in simple terms.",
+    "What is the difference between {w} and {w2}?",
+    "Write a short story about {w}.",
+    "Give me five practical tips about {w}.",
+    "What are the pros and cons of {w}?",
+    "Write a short poem about {w}.",
+    "How do I get started with {w}?",
+    "Briefly describe the history of {w}.",
+    "Why is {w} important in everyday life?",
+    "Explain {w} to a ten-year-old.",
+    "Write a short speech about {w} and {w2}.",
+    "List the steps someone should follow to learn about {w}.",
+    "What are common misconceptions about {w}?",
+    "Write a friendly message to a friend about {w}.",
+    "Compare {w} and {w2} in a few sentences.",
+]
+GENERAL_FROM = 800    # prompts beyond this index are general chat topics (the first 800 are doc based)
+
+
+def _topics(common_words: list[str] | None = None) -> list[str]:
+    """Topic words: English words of the standard library's docs (docstrings and the language
+    reference in pydoc_data); when `common_words` (e.g. the target tokenizer's whole-word tokens,
+    most frequent first) is given, the first 3000 of those that also occur in the docs."""
+    import collections
+
+    counts = collections.Counter()
+    for _, _, doc in _docs():
+        counts.update(w.lower() for w in re.findall(r"\b[a-z]{5,12}\b", doc))
+    try:
+        from pydoc_data import topics as pydoc_topics
+
+        for text in pydoc_topics.topics.values():
+            counts.update(w.lower() for w in re.findall(r"\b[a-z]{5,12}\b", text))
+    except ImportError:
+        pass
+    if common_words:
+        nounish = [w for w in common_words[150:] if counts.get(w, 0) >= 1
+                   and not re.search(r"(ed|ing|ly|ive|ous|ful|able|ible|ize|ise)$", w)]
+        return nounish[:2000]
+    return sorted(w for w, c in counts.items() if c >= 3)
+
+
+def build_prompts(n: int, seed: int = 0, common_words: list[str] | None = None) -> list[list[dict]]:
+    """n single-turn chat conversations ([{"role": "user", "content": ...}]): documentation
+    tasks first, then (from index GENERAL_FROM on) general chat questions about common words."""
+    prompts = _doc_prompts(min(n, GENERAL_FROM), seed)
+    if n > GENERAL_FROM:
+        rng = random.Random(seed + 1)
+        words = _topics(common_words)
+        for _ in range(n - GENERAL_FROM):
+            text = rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words), w2=rng.choice(words))
+            prompts.append([{"role": "user", "content": text}])
+    return prompts
+
+
+def _doc_prompts(n: int, seed: int) -> list[list[dict]]:
     rng = random.Random(seed)
     docs = _docs()
     words = sorted({w.lower() for _, _, d in docs for w in re.findall(r"[A-Za-z]{5,12}", d)})
@@ -84,3 +140,10 @@ def build_prompts(n: int, seed: int = 0) -> list[list[dict]]:
             text = tpl.format(name=name, module=mod, word=rng.choice(words), word2=rng.choice(words))
         prompts.append([{"role": "user", "content": text}])
     return prompts
+
+
+def tokenizer_words(tokenizer_json: str) -> list[str]:
+    """Whole lower-case word tokens of a byte-level BPE vocabulary, most frequent merge first."""
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    words = [(i, t[1:]) for t, i in vocab.items() if t.startswith("\u0120") and re.fullmatch(r"[a-z]{5,12}", t[1:])]
+    return [w for _, w in sorted(words)]
