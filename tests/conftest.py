@@ -107,3 +107,20 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0) -> Path
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def run_batch(dec, seqs) -> list[list[int]]:
+    """Prefill then step started sequences together (a mixed batch) until all finish."""
+    got = []
+    for s in seqs:
+        out = None
+        while out is None:
+            out = dec.prefill(s)
+        got.append(list(out.new_ids))
+    while not all(s.finished for s in seqs):
+        live = [s for s in seqs if not s.finished]
+        for s, out in zip(live, dec.step(live)):
+            got[seqs.index(s)].extend(out.new_ids)
+    for s in seqs:
+        dec.finish(s)
+    return got

@@ -3,6 +3,8 @@ mixed batches, seeded reproducibility, drafter state across speculation on/off."
 import numpy as np
 import pytest
 
+from conftest import run_batch
+
 from backend.config import DrafterKind, RequestError, SamplingParams, SpecConfig
 from backend.decoder import SpecDecoder
 from backend.drafters.draft_model import DraftModelDrafter
@@ -42,18 +44,7 @@ def test_mixed_batch_matches_individual_runs():
     expected = [run(make(), DrafterKind.NONE, params, p)[0] for p in prompts]
     dec = make(k=3, width=2)
     seqs = [dec.start(Request(p, params, kd)) for p, kd in zip(prompts, kinds)]
-    got = []
-    for s in seqs:
-        out = None
-        while out is None:
-            out = dec.prefill(s)
-        got.append(list(out.new_ids))
-    while not all(s.finished for s in seqs):
-        live = [s for s in seqs if not s.finished]
-        for s, out in zip(live, dec.step(live)):
-            got[seqs.index(s)].extend(out.new_ids)
-    for s in seqs:
-        dec.finish(s)
+    got = run_batch(dec, seqs)
     assert got == expected
 
 

@@ -7,7 +7,7 @@ from backend.build.pipeline import ENGINE_SUBDIR
 from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
 from backend.engine import make_decoder
 from backend.sequence import Request
-from conftest import load_prompts, prompt_ids
+from conftest import run_batch, load_prompts, prompt_ids
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48
@@ -64,18 +64,7 @@ def test_mixed_batch_identical_to_plain(built_repo, prompts, plain):
     dec = decoder(built_repo, num_draft_tokens=4, draft_width=2)
     kinds = [DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL, DrafterKind.NONE]
     seqs = [dec.start(Request(tuple(ids), SamplingParams(max_tokens=MAX_NEW), k)) for ids, k in zip(prompts, kinds)]
-    got = []
-    for s in seqs:
-        out = None
-        while out is None:
-            out = dec.prefill(s)
-        got.append(list(out.new_ids))
-    while not all(s.finished for s in seqs):
-        live = [s for s in seqs if not s.finished]
-        for s, out in zip(live, dec.step(live)):
-            got[seqs.index(s)].extend(out.new_ids)
-    for s in seqs:
-        dec.finish(s)
+    got = run_batch(dec, seqs)
     assert got == plain
 
 
