@@ -69,8 +69,8 @@ class SamplingParams:
 class SpecConfig:
     """How a server speculates (defaults for requests that do not say)."""
 
-    auto_drafter: DrafterKind = DrafterKind.AUTO   # what a request's "auto" means; AUTO = the best
-                                                   # available (lookup+eagle, else prompt-lookup)
+    auto_drafter: DrafterKind = DrafterKind.AUTO   # what a request's "auto" means; AUTO = the
+                                                   # server's best measured (prompt-lookup)
     num_draft_tokens: int | None = None     # None = adaptive (cost model + acceptance)
     max_draft_tokens: int = 8               # per-request overrides are clamped to this
     max_tree_nodes: int = 16                # verified nodes per sequence per step (root excluded)

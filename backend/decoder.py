@@ -40,8 +40,8 @@ class SpecDecoder:
         self.tok = tokenizer
         self.drafters = drafters
         if spec.auto_drafter is DrafterKind.AUTO:
-            best = next((k for k in (DrafterKind.LOOKUP_EAGLE, DrafterKind.PROMPT_LOOKUP) if k in drafters),
-                        DrafterKind.NONE)
+            # prompt lookup: measured best overall with the committed head (docs/perf-notes.md)
+            best = DrafterKind.PROMPT_LOOKUP if DrafterKind.PROMPT_LOOKUP in drafters else DrafterKind.NONE
             spec = replace(spec, auto_drafter=best)
         elif spec.auto_drafter is not DrafterKind.NONE and spec.auto_drafter not in drafters:
             raise ValueError(f"default drafter {spec.auto_drafter.value!r} is not available "

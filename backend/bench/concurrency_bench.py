@@ -1,7 +1,8 @@
 """`specdec bench --concurrency 1,2,4,...`: speculation under load, against the real Triton server.
 
-For each concurrency level n, n client threads (one gRPC stream each) send the prompts as fast
-as they complete, in three modes run back to back on the same server: plain decoding
+For each concurrency level n, n client threads (one gRPC stream each) send every prompt of the
+file (at least 2 requests per stream, the same mix of prompt kinds at every level) as fast as
+they complete, in three modes run back to back on the same server: plain decoding
 (drafter none), fixed K = 5, and auto (the adaptive controller). Reports total output tokens
 per second across all streams, TPOT and E[tau], and draws speedup vs concurrency (PNG).
 """
@@ -89,7 +90,8 @@ def main(args) -> dict:
     with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log")) as srv:
         run_level(srv.grpc_url, prompts, 1, 1, modes["plain"])          # warm-up
         for n in levels:
-            total = max(2 * n, 4)
+            # every prompt at every level (the same mix of kinds), at least 2 per stream
+            total = len(prompts) * -(-max(2 * n, len(prompts)) // len(prompts))
             row = {"n": n}
             for mode in MODES:
                 r = run_level(srv.grpc_url, prompts, n, total, modes[mode])

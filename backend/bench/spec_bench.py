@@ -77,8 +77,8 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
     encoded = [(p, tok.encode(tok.apply_chat_template(p["messages"]), add_special_tokens=False))
                for p in prompts]
     warm = encoded[0][1]
-    for kind in (DrafterKind.NONE, drafter):            # warm-up (sessions, caches)
-        run_one(decoder, warm, SamplingParams(max_tokens=16), kind, num_draft_tokens)
+    run_one(decoder, warm, SamplingParams(max_tokens=16), DrafterKind.NONE, None)   # warm-up
+    run_one(decoder, warm, SamplingParams(max_tokens=16), drafter, num_draft_tokens)
     plain_all, spec_all = Totals(), Totals()
     by_kind: dict[str, tuple[Totals, Totals]] = {}
     rows = []
