@@ -21,7 +21,8 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
-                        "layers + head) or eagle:DIR (trained head); repeatable")
+                        "layers + head) or eagle:DIR (trained head); repeatable (default for the "
+                        "embedded target: self:4 and the committed EAGLE head)")
     p.add_argument("--output", default=DEFAULT_REPO, help="model repository to fill")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -36,10 +37,15 @@ def cmd_build(args) -> int:
     from backend.manifest import Device, WeightFormat
 
     weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip())
+    drafts = tuple(args.draft)
+    if not drafts and args.target is None:   # the embedded default comes with its drafts, as serve builds it
+        from backend.build.embedded import default_drafts
+
+        drafts = default_drafts()
     cfg = BuildConfig(
         target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
         default_format=WeightFormat(args.default_format) if args.default_format else None,
-        drafts=tuple(args.draft), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+        drafts=drafts, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
         quiet=args.quiet)
     build(cfg)

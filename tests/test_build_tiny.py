@@ -88,6 +88,7 @@ def test_matmul_nbits_repack_is_exact(tmp_path):
     from onnx import TensorProto, helper
 
     from backend.build import graph
+    from backend.runtime.ort import default_threads, session_options
 
     raw = _random_blocks("Q4_1", 64, 256, np.random.default_rng(2))
     blocks = quant.decode_blocks("Q4_1", raw)
@@ -100,7 +101,8 @@ def test_matmul_nbits_repack_is_exact(tmp_path):
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     x = np.random.default_rng(3).standard_normal((1, 4, 256)).astype(np.float32)
-    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    so = session_options(default_threads(), spinning=False)    # the process may already share ORT's global pool
+    out = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     ref = x @ blocks.dequantize().T
     # accuracy_level 4 quantizes activations to int8 per block: relative error well under 1%
     assert np.abs(out - ref).max() / np.abs(ref).max() < 0.01

@@ -87,10 +87,15 @@ def test_seeded_sampling_reproducible(built_repo, prompts):
 def test_eagle_acceptance_survives_speculation_off_and_on(built_repo, prompts, plain):
     """Known failure elsewhere: acceptance silently collapsing after re-enabling speculation."""
     dec = decoder(built_repo, num_draft_tokens=12)
-    always = generate(dec, prompts[2], DrafterKind.EAGLE)
+    always = generate(dec, prompts[0], DrafterKind.EAGLE)
     budgets = iter([12, 0, 0, 12, 0, 12, 12, 0] * 20)
     dec.controller.budgets = lambda seqs, max_len: [min(next(budgets), s.draft_room()) for s in seqs]
-    toggled = generate(dec, prompts[2], DrafterKind.EAGLE)
-    assert toggled[0] == plain[2]
-    assert always[1].acceptance_rate > 0.1
-    assert toggled[1].acceptance_rate >= 0.8 * always[1].acceptance_rate
+    toggled = generate(dec, prompts[0], DrafterKind.EAGLE)
+    assert toggled[0] == plain[0]
+
+    def depth1(stats):   # a tree drafts many nodes per step: the first depth is the clean signal
+        return stats.accepted_per_pos[0] / max(stats.drafted_per_pos[0], 1)
+
+    assert toggled[1].drafted_per_pos[0] >= 8 and always[1].drafted_per_pos[0] >= 8
+    assert depth1(always[1]) > 0.3           # measured 0.57 on this prompt with the committed head
+    assert depth1(toggled[1]) >= 0.6 * depth1(always[1])   # stale features after a pause would give ~0

@@ -27,7 +27,9 @@ _GLOBAL_POOL_THREADS: int | None = None
 def _use_global_pool(threads: int) -> bool:
     """All sessions of this process share one ORT thread pool when possible: the target and its
     draft run one after the other, and two pools of spinning threads on the same 2 cores slow
-    both (measured ~1.7x on verify forwards). Must be set before ORT's environment exists."""
+    both (measured ~1.7x on verify forwards). Must be set before ORT's environment exists.
+    Once the process has a global pool, every session must use it (ORT refuses per-session
+    threads then), whatever thread count it asked for."""
     global _GLOBAL_POOL_THREADS
     if _GLOBAL_POOL_THREADS is None:
         try:
@@ -37,7 +39,11 @@ def _use_global_pool(threads: int) -> bool:
             _GLOBAL_POOL_THREADS = threads
         except Exception:
             _GLOBAL_POOL_THREADS = 0
-    return _GLOBAL_POOL_THREADS == threads
+    return bool(_GLOBAL_POOL_THREADS)
+
+
+def default_threads() -> int:
+    return int(os.environ.get("SPECDEC_THREADS", "0")) or min(2, os.cpu_count() or 1)
 
 
 def session_options(threads: int, spinning: bool):
@@ -107,7 +113,7 @@ class OrtRuntime:
         self.num_layers = num_layers
         self.max_seq_len = max_seq_len
         self.pad_single_token = pad_single_token
-        threads = threads or int(os.environ.get("SPECDEC_THREADS", "0")) or min(2, os.cpu_count() or 1)
+        threads = threads or default_threads()
         self.session = ort.InferenceSession(str(engine_path), session_options(threads, spinning),
                                             providers=["CPUExecutionProvider"])
         self._io = self.session.io_binding()
