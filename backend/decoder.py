@@ -130,8 +130,8 @@ class SpecDecoder:
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
         ids, parents, index = _pack(drafts)
-        out = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
-        verdicts = [verify_tree(d.tree, d.tokens, out.logits[b, : d.tree.num_nodes], s.params,
+        fwd = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
+        verdicts = [verify_tree(d.tree, d.tokens, fwd.logits[b, : d.tree.num_nodes], s.params,
                                 None if s.params.greedy else Noise.draw(s.rng, d.tree.num_nodes, self.vocab),
                                 d.draft_probs, d.without_replacement)
                     for b, (s, d) in enumerate(zip(seqs, drafts))]
@@ -141,7 +141,7 @@ class SpecDecoder:
         for b, (s, d, v) in enumerate(zip(seqs, drafts, verdicts)):
             drafter = self.drafters.get(s.drafter)
             if drafter is not None:
-                hidden = out.hidden[b, v.accepted_nodes] if drafter.needs_hidden else None
+                hidden = fwd.hidden[b, v.accepted_nodes] if drafter.needs_hidden else None
                 drafter.observe(s, d, v.accepted_nodes, hidden)
             s.stats.record(d.num_draft_tokens, d.tree.max_depth, v.num_accepted,
                            v.output_ids.size, t1 - t0, t2 - t1)

@@ -68,6 +68,17 @@ def test_mixed_batch_identical_to_plain(built_repo, prompts, plain):
     assert got == plain
 
 
+@pytest.mark.skipif(not HAS_HEAD, reason="no trained EAGLE head committed")
+def test_eagle_batch_identical_to_plain(built_repo, prompts, plain):
+    """Feature drafters in a batch: each row's hidden states reach its own drafter."""
+    dec = decoder(built_repo, num_draft_tokens=8)
+    kinds = [DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE, DrafterKind.EAGLE]
+    seqs = [dec.start(Request(tuple(ids), SamplingParams(max_tokens=MAX_NEW), k)) for ids, k in zip(prompts, kinds)]
+    got = run_batch(dec, seqs)
+    assert got == plain
+    assert all(s.stats.num_draft_tokens > 0 for s in seqs)
+
+
 def test_q4_greedy_spec_identical_to_q4_plain(built_repo, prompts, manifest):
     assert manifest.engine("q4").batch_invariant, "the build measured q4 as not batch invariant"
     dec = decoder(built_repo, "q4", num_draft_tokens=4, prompt_lookup_width=2)
