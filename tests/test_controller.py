@@ -92,3 +92,17 @@ def test_tree_drafter_picks_a_size_by_measured_yield():
         for _ in range(300):
             c._arm(DrafterKind.EAGLE, size).update(emitted)
     assert c.budgets([s], 4096)[0] in (12, 16)
+
+
+def test_untried_larger_trees_are_not_probed_after_a_poor_small_tree():
+    """Optimism for untried sizes is bounded by what the next smaller size measured."""
+    cost = CostModel(GRID, [0.030 + 0.004 * m for m in GRID])   # a 17-node verify costs ~3 steps
+    c = AdaptiveController(SpecConfig(max_tree_nodes=16), cost)
+    s = seq(0, DrafterKind.EAGLE)
+    assert c.budgets([s], 4096)[0] > 0                 # untried: optimistic, so it explores
+    for _ in range(100):
+        c._arm(DrafterKind.EAGLE, 4).update(1.1)       # the smallest tree barely helps
+    small = c._arm(DrafterKind.EAGLE, 4).mean
+    assert c._arm(DrafterKind.EAGLE, 16).mean > 3.0    # the unbounded prior would still probe 16
+    assert c.expected_tokens(s, 16) <= 1.25 * small + 0.1
+    assert c.budgets([s], 4096)[0] == 0
