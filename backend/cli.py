@@ -37,19 +37,23 @@ def cmd_build(args) -> int:
     from backend.manifest import Device, WeightFormat
 
     weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip())
-    drafts = tuple(args.draft)
-    if not drafts and args.target is None:   # the embedded default comes with its drafts, as serve builds it
-        from backend.build.embedded import default_drafts
-
-        drafts = default_drafts()
     cfg = BuildConfig(
         target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
         default_format=WeightFormat(args.default_format) if args.default_format else None,
-        drafts=drafts, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+        drafts=_drafts(args), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
         quiet=args.quiet)
     build(cfg)
     return 0
+
+
+def _drafts(args) -> tuple[str, ...]:
+    """--draft as given; without any, the embedded target comes with its default drafts."""
+    from backend.build.embedded import default_drafts
+
+    if args.draft or getattr(args, "target", None) is not None:
+        return tuple(args.draft)
+    return default_drafts()
 
 
 def _engine_dir(args) -> Path:
@@ -103,12 +107,10 @@ def cmd_serve(args) -> int:
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.serve.launcher import TritonServer
 
-    from backend.build.embedded import default_drafts
-
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
         print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
-        build(BuildConfig(target=None, output=repo, drafts=tuple(args.draft) or default_drafts()))
+        build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()

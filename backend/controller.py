@@ -134,6 +134,8 @@ class AdaptiveController:
         self._seq: dict[int, _Acceptance] = {}
         self._pool: dict[DrafterKind, _Acceptance] = {}
         self._arms: dict[tuple[DrafterKind, int], _Arm] = {}
+        self._chain_ks = tuple(range(self.max_k + 1))          # candidate budgets per drafter kind
+        self._tree_ks = (0,) + tuple(z for z in TREE_SIZES if z <= self.max_tree)
 
     # --- acceptance models -------------------------------------------------------------------
     def _prior(self, kind: DrafterKind) -> np.ndarray:
@@ -195,13 +197,11 @@ class AdaptiveController:
         """argmax_k expected output tokens per second of the whole batch."""
         plain_rows = batch - len(seqs)
         kinds = {s.drafter for s in seqs}
-        top = max(self.max_tree if kd in self.tree_kinds else self.max_k for kd in kinds)
-        # between tree sizes the yield is flat and the cost grows: only sizes are candidates
-        ks = set(range(self.max_k + 1)) if kinds - set(self.tree_kinds) else {0}
-        if kinds & set(self.tree_kinds):
-            ks |= {z for z in TREE_SIZES if z <= self.max_tree}
+        ks = set()                  # between tree sizes the yield is flat and the cost grows
+        for kd in kinds:
+            ks.update(self._tree_ks if kd in self.tree_kinds else self._chain_ks)
         best_k, best = 0, -1.0
-        for k in sorted(x for x in ks if x <= top):
+        for k in sorted(ks):
             tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
             rate = tokens / (self.cost.verify(batch, k + 1) + self._draft_cost(kinds, batch, k))
             if rate > best * (1 + 1e-9):
