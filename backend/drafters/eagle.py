@@ -43,7 +43,7 @@ class EagleDrafter:
         self.rt = runtime
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
-        self._pending: dict[int, np.ndarray] = {}            # [n, H] target features not yet fed
+        self._pending: dict[int, list[np.ndarray]] = {}      # chunks of [n, H] target features not yet fed
         self._fed: dict[int, int] = {}
 
     @classmethod
@@ -64,11 +64,11 @@ class EagleDrafter:
     def begin(self, seq: SequenceState, prompt_hidden) -> None:
         assert prompt_hidden is not None and len(prompt_hidden) == len(seq.prompt_ids), "prompt features"
         self.rt.alloc(seq.seq_id)
-        self._pending[seq.seq_id] = np.asarray(prompt_hidden, np.float32)
+        self._pending[seq.seq_id] = [np.asarray(prompt_hidden, np.float32)]
         self._fed[seq.seq_id] = 0
 
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes, hidden) -> None:
-        self._pending[seq.seq_id] = np.concatenate([self._pending[seq.seq_id], hidden.astype(np.float32)])
+        self._pending[seq.seq_id].append(hidden.astype(np.float32))   # joined at catch-up, not per step
 
     def end(self, seq: SequenceState) -> None:
         self.rt.free(seq.seq_id)
@@ -131,7 +131,7 @@ class EagleDrafter:
         predicted root features [R, H])."""
         pend, toks = [], []
         for s in seqs:
-            f = self._pending[s.seq_id]
+            f = np.concatenate(self._pending[s.seq_id])
             fed = self._fed[s.seq_id]
             ids = s.all_ids()
             assert fed + len(f) == len(ids) - 1, (fed, len(f), len(ids))
@@ -153,7 +153,7 @@ class EagleDrafter:
         self.rt.commit([s.seq_id for s in seqs], [np.arange(len(f)) for f in pend])
         for s, f in zip(seqs, pend):
             self._fed[s.seq_id] += len(f)
-            self._pending[s.seq_id] = f[:0]
+            self._pending[s.seq_id] = []
         return logits, root_feat
 
     @staticmethod
