@@ -12,9 +12,14 @@ expected output tokens per second of the whole batch:
 
 alpha_i[d] is the running probability that sequence i's depth-d draft token is accepted given
 depth d-1 was (decayed counts, with the drafter's pooled statistics as the prior). The cost
-model comes from measured forward times (CostModel.measure, stored in the manifest) and is
-corrected online by the ratio of measured to predicted step times. Everything is continuous in
-load and acceptance, so a small change in either makes a small change in k (no thresholds).
+model comes from measured forward times (build/costs.py, stored in the manifest) and is
+corrected online: the decoder reports every step's batch, width and measured verify time, and
+verify(B, T) is scaled by the decayed ratio of measured to predicted time, kept separately for
+plain steps (T = 1) and speculative ones (T > 1), since the build measured one context and
+longer contexts make wide verifies dearer than single-token ones. An unobserved class drifts
+back to the build-time model, so a bad spell does not switch speculation off for good.
+Everything is continuous in load and acceptance, so a small change in either makes a small
+change in k (no thresholds).
 Drafter state is independent of the budget, so switching speculation off and on is safe.
 """
 from __future__ import annotations
@@ -42,6 +47,9 @@ class FixedController:
         return out
 
     def observe(self, seq, draft, verdict, batch: int, draft_s: float, verify_s: float) -> None:
+        return None
+
+    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         return None
 
     def forget(self, seq) -> None:
@@ -96,6 +104,27 @@ class _Acceptance:
         return (self.acc + prior * strength) / (self.drafted + strength)
 
 
+class _Ratio:
+    """Decayed mean of measured / predicted verify time; the prior (1.0: the build-time model)
+    counts as `strength` observations, and decay applies on every step, observed or not."""
+
+    def __init__(self, decay: float = 0.99, strength: float = 4.0, lo: float = 0.25, hi: float = 4.0):
+        self.total = self.count = 0.0
+        self.decay, self.strength, self.lo, self.hi = decay, strength, lo, hi
+
+    def tick(self) -> None:
+        self.total *= self.decay
+        self.count *= self.decay
+
+    def update(self, ratio: float) -> None:
+        self.total += min(self.hi, max(self.lo, ratio))
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return (self.total + self.strength) / (self.count + self.strength)
+
+
 TREE_SIZES = (4, 8, 12, 16)      # tree budgets the controller chooses between (tree drafters)
 
 
@@ -134,6 +163,7 @@ class AdaptiveController:
         self._seq: dict[int, _Acceptance] = {}
         self._pool: dict[DrafterKind, _Acceptance] = {}
         self._arms: dict[tuple[DrafterKind, int], _Arm] = {}
+        self._corr = {False: _Ratio(), True: _Ratio()}        # plain / speculative verify
         self._chain_ks = tuple(range(self.max_k + 1))          # candidate budgets per drafter kind
         self._tree_ks = (0,) + tuple(z for z in TREE_SIZES if z <= self.max_tree)
 
@@ -174,6 +204,11 @@ class AdaptiveController:
                  if z < size and (kind, z) in self._arms and self._arms[(kind, z)].observed >= 3]
         return min(arm.mean, 1.25 * tried[-1].mean + 0.1) if tried else arm.mean
 
+    def verify_cost(self, batch: int, width: int) -> float:
+        """Predicted seconds of a verify forward of `batch` rows x `width` tokens, corrected by
+        the measured ratio of its class (plain or speculative)."""
+        return self.cost.verify(batch, width) * self._corr[width > 1].value
+
     def _draft_cost(self, kinds: set, batch: int, k: int) -> float:
         total = 0.0
         for kd in kinds:
@@ -203,7 +238,7 @@ class AdaptiveController:
         best_k, best = 0, -1.0
         for k in sorted(ks):
             tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
-            rate = tokens / (self.cost.verify(batch, k + 1) + self._draft_cost(kinds, batch, k))
+            rate = tokens / (self.verify_cost(batch, k + 1) + self._draft_cost(kinds, batch, k))
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
         return best_k
@@ -223,6 +258,15 @@ class AdaptiveController:
         d = min(depth, self.max_k)
         st.update(d, verdict.num_accepted)
         pool.update(d, verdict.num_accepted)
+
+    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
+        """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
+        commit): update the correction of its class."""
+        for r in self._corr.values():
+            r.tick()
+        predicted = self.cost.verify(batch, width)
+        if predicted > 0 and verify_s > 0:
+            self._corr[width > 1].update(verify_s / predicted)
 
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)

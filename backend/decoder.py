@@ -137,6 +137,7 @@ class SpecDecoder:
                     for b, (s, d) in enumerate(zip(seqs, drafts))]
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
+        self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1)
         outputs = []
         for b, (s, d, v) in enumerate(zip(seqs, drafts, verdicts)):
             drafter = self.drafters.get(s.drafter)

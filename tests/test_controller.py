@@ -106,3 +106,24 @@ def test_untried_larger_trees_are_not_probed_after_a_poor_small_tree():
     assert c._arm(DrafterKind.EAGLE, 16).mean > 3.0    # the unbounded prior would still probe 16
     assert c.expected_tokens(s, 16) <= 1.25 * small + 0.1
     assert c.budgets([s], 4096)[0] == 0
+
+
+def test_measured_verify_times_correct_the_build_time_cost_model():
+    """The build measured one context; if wide verifies turn out dearer (or cheaper) on the live
+    server, the controller learns it from the decoder's step timings, per class (T = 1 / T > 1)."""
+    c, seqs = controller(MEMORY_BOUND, alpha=0.6, n=1)
+    assert c.budgets(seqs, 4096)[0] >= 3                 # the model says: wide verify is nearly free
+    for _ in range(50):                                  # measured: every wide verify costs 3 steps
+        c.observe_step(1, 6, 0.0, 3 * MEMORY_BOUND.verify(1, 1))
+        c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))
+    assert c.budgets(seqs, 4096)[0] == 0
+    for _ in range(1500):                                # plain steps only: the stale speculative
+        c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))   # correction fades back to the model
+    assert c.budgets(seqs, 4096)[0] >= 3
+
+    c, seqs = controller(COMPUTE_BOUND, alpha=0.6, n=1)
+    assert c.budgets(seqs, 4096)[0] == 0
+    for _ in range(50):                                  # measured: wide verifies cost ~ one step
+        c.observe_step(1, 1, 0.0, COMPUTE_BOUND.verify(1, 1))
+        c.observe_step(1, 4, 0.0, 1.1 * COMPUTE_BOUND.verify(1, 1))
+    assert c.budgets(seqs, 4096)[0] > 0

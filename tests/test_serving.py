@@ -249,3 +249,23 @@ def test_metrics_move_after_a_request(server):
                  "specdec_time_to_first_token_seconds_count", "specdec_time_per_output_token_seconds_count",
                  "specdec_draft_seconds_count", "specdec_verify_seconds_count", "specdec_active_sequences"):
         assert re.search(rf"^{name}\{{", after, re.M), name
+
+
+def test_concurrency_bench_round_runs_every_request_in_each_mode(server):
+    """`specdec bench --concurrency`: rounds hold the same requests for every mode, every prompt
+    at least once per level, and a round's requests all complete against the real server."""
+    from backend.bench import concurrency_bench as cb
+
+    prompts = load_prompts()
+    for n in (1, 4, 32):
+        rounds = cb.level_requests(prompts, n, 2)
+        flat = [p["id"] for r in rounds for p in r]
+        assert len(rounds) == 2 and len(rounds[0]) == len(rounds[1]) >= n
+        assert {p["id"] for p in prompts} <= set(flat)
+    fields = {"max_tokens": 8, "temperature": 0.0, "stream": True, "apply_chat_template": True}
+    parts = [cb.run_level(server.grpc_url, prompts[:3], 2, {**fields, "drafter": d})
+             for d in ("none", "prompt-lookup")]
+    for p in parts:
+        assert not p["errors"] and len(p["results"]) == 3 and p["tokens"] > 0
+    combined = cb._combine(parts)
+    assert combined["tokens"] == sum(p["tokens"] for p in parts)

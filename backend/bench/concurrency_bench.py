@@ -1,10 +1,14 @@
 """`specdec bench --concurrency 1,2,4,...`: speculation under load, against the real Triton server.
 
-For each concurrency level n, n client threads (one gRPC stream each) send every prompt of the
-file (at least 2 requests per stream, the same mix of prompt kinds at every level) as fast as
-they complete, in three modes run back to back on the same server: plain decoding
-(drafter none), fixed K = 5, and auto (the adaptive controller). Reports total output tokens
-per second across all streams, TPOT and E[tau], and draws speedup vs concurrency (PNG).
+For each concurrency level n, n client threads (one gRPC stream each) send requests as fast as
+they complete, in three modes on the same server: plain decoding (drafter none), fixed K = 5,
+and auto (the adaptive controller). The level's requests (the prompt file cycled, every prompt
+at least once, about 1.5 requests per stream per round) are split into `rounds` rounds; every
+mode runs every round's requests, in the order plain, fixed, auto in even rounds and reversed
+in odd ones (ABC CBA), so a slow drift of the machine's speed cancels out of the ratios instead
+of landing on whichever mode ran last. Reports total output tokens per second across all
+streams (tokens / wall time, summed over rounds), TPOT and E[tau], each round's speedups (the
+spread shows the noise), and draws speedup vs concurrency (PNG).
 """
 from __future__ import annotations
 
@@ -34,10 +38,10 @@ def _one_request(url: str, fields: dict) -> dict:
             "tau": float(stats.get("mean_accepted_tokens", 0.0))}
 
 
-def run_level(url: str, prompts: list[dict], n: int, total: int, fields: dict) -> dict:
+def run_level(url: str, requests: list[dict], n: int, fields: dict) -> dict:
     work: queue.Queue = queue.Queue()
-    for i in range(total):
-        work.put(prompts[i % len(prompts)])
+    for item in requests:
+        work.put(item)
     results, errors = [], []
     lock = threading.Lock()
 
@@ -67,7 +71,28 @@ def run_level(url: str, prompts: list[dict], n: int, total: int, fields: dict) -
     taus = [r["tau"] for r in results if r["tau"] > 0]
     return {"tokens_per_s": tokens / wall, "tokens": tokens, "seconds": wall,
             "tpot_ms": 1000 * sum(r["tpot_s"] for r in results) / max(1, len(results)),
-            "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0, "errors": errors}
+            "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0, "errors": errors,
+            "results": results}
+
+
+def level_requests(prompts: list[dict], n: int, rounds: int) -> list[list[dict]]:
+    """The prompt file cycled: every prompt at least once per level, about 1.5 requests per
+    stream in each round (so most of a round runs at n streams), split into `rounds` rounds."""
+    per_round = max(-(-len(prompts) // rounds), n + -(-n // 2))
+    total = per_round * rounds
+    cycled = [prompts[i % len(prompts)] for i in range(total)]
+    return [cycled[r * per_round:(r + 1) * per_round] for r in range(rounds)]
+
+
+def _combine(parts: list[dict]) -> dict:
+    results = [r for p in parts for r in p["results"]]
+    tokens = sum(p["tokens"] for p in parts)
+    seconds = sum(p["seconds"] for p in parts)
+    taus = [r["tau"] for r in results if r["tau"] > 0]
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+            "tpot_ms": 1000 * sum(r["tpot_s"] for r in results) / max(1, len(results)),
+            "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0,
+            "errors": [e for p in parts for e in p["errors"]]}
 
 
 def main(args) -> dict:
@@ -76,6 +101,7 @@ def main(args) -> dict:
     from backend.serve.launcher import TritonServer
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
+    rounds = max(1, int(getattr(args, "rounds", 2)))
     prompts = _prompts(args.prompts)
     drafter = args.drafter.partition(":")[0]
     base = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "stream": True,
@@ -88,13 +114,16 @@ def main(args) -> dict:
         raise SystemExit(f"no engines in {repo}: run `specdec build` first")
     rows = []
     with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log")) as srv:
-        run_level(srv.grpc_url, prompts, 1, 1, modes["plain"])          # warm-up
+        for mode in MODES:                                              # warm-up
+            run_level(srv.grpc_url, prompts[:1], 1, modes[mode])
         for n in levels:
-            # every prompt at every level (the same mix of kinds), at least 2 per stream
-            total = len(prompts) * -(-max(2 * n, len(prompts)) // len(prompts))
-            row = {"n": n}
+            parts: dict[str, list[dict]] = {m: [] for m in MODES}
+            for i, requests in enumerate(level_requests(prompts, n, rounds)):
+                for mode in (MODES if i % 2 == 0 else MODES[::-1]):     # ABC CBA: drift cancels
+                    parts[mode].append(run_level(srv.grpc_url, requests, n, modes[mode]))
+            row = {"n": n, "requests_per_mode": sum(len(p["results"]) for p in parts["plain"])}
             for mode in MODES:
-                r = run_level(srv.grpc_url, prompts, n, total, modes[mode])
+                r = _combine(parts[mode])
                 row[f"{mode}_tokens_per_s"] = round(r["tokens_per_s"], 2)
                 row[f"{mode}_tpot_ms"] = round(r["tpot_ms"], 2)
                 row[f"{mode}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
@@ -102,12 +131,17 @@ def main(args) -> dict:
                     row[f"{mode}_errors"] = r["errors"][:3]
             row["fixed_speedup"] = round(row["fixed_tokens_per_s"] / row["plain_tokens_per_s"], 3)
             row["auto_speedup"] = round(row["auto_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            for mode in ("fixed", "auto"):
+                row[f"{mode}_speedup_per_round"] = [round(a["tokens_per_s"] / p["tokens_per_s"], 3)
+                                                    for a, p in zip(parts[mode], parts["plain"])]
             rows.append(row)
             print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 "
                   f"{row['fixed_tokens_per_s']:7.1f} (x{row['fixed_speedup']:.2f}, E[tau] "
                   f"{row['fixed_mean_accepted_tokens']:.2f})  auto {row['auto_tokens_per_s']:7.1f} "
-                  f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f})", flush=True)
+                  f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f})  per round: fixed "
+                  f"{row['fixed_speedup_per_round']} auto {row['auto_speedup_per_round']}", flush=True)
     result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "rounds": rounds, "order": "ABC CBA (plain, fixed, auto; reversed in odd rounds)",
               "concurrency": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
