@@ -13,11 +13,13 @@ expected output tokens per second of the whole batch:
 alpha_i[d] is the running probability that sequence i's depth-d draft token is accepted given
 depth d-1 was (decayed counts, with the drafter's pooled statistics as the prior). The cost
 model comes from measured forward times (build/costs.py, stored in the manifest) and is
-corrected online: the decoder reports every step's batch, width and measured verify time, and
-verify(B, T) is scaled by the decayed ratio of measured to predicted time, kept separately for
-plain steps (T = 1) and speculative ones (T > 1), since the build measured one context and
-longer contexts make wide verifies dearer than single-token ones. An unobserved class drifts
-back to the build-time model, so a bad spell does not switch speculation off for good.
+corrected online: the decoder reports every step's batch, width and measured draft and verify
+times, and verify(B, T) is scaled by the decayed ratio of measured to predicted time, kept
+separately for plain steps (T = 1) and speculative ones (T > 1), since the build measured one
+context and longer contexts make wide verifies dearer than single-token ones; the draft time
+likewise (the build times the head's forward, not the tree search around it). An unobserved
+class drifts back to the build-time model, so a bad spell does not switch speculation off for
+good.
 Everything is continuous in load and acceptance, so a small change in either makes a small
 change in k (no thresholds).
 Drafter state is independent of the budget, so switching speculation off and on is safe.
@@ -149,7 +151,8 @@ class _Arm:
 class AdaptiveController:
     """See the module docstring. Chain drafters (prompt lookup, draft model) are modelled by
     per-depth acceptance; tree drafters (EAGLE) by the measured tokens per step of each tree
-    size in TREE_SIZES (optimistic priors make untried sizes get tried; decay keeps adapting)."""
+    size in TREE_SIZES, per request, with the drafter's pooled yield as the prior (optimistic
+    priors make untried sizes get tried; decay keeps adapting)."""
 
     def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
                  decay: float = 0.9, prior_strength: float = 2.0):
@@ -162,8 +165,11 @@ class AdaptiveController:
         self.strength = prior_strength
         self._seq: dict[int, _Acceptance] = {}
         self._pool: dict[DrafterKind, _Acceptance] = {}
-        self._arms: dict[tuple[DrafterKind, int], _Arm] = {}
+        self._arms: dict[tuple[DrafterKind, int], _Arm] = {}      # pooled over requests
+        self._seq_arms: dict[int, dict[int, _Arm]] = {}            # per request, pooled prior
         self._corr = {False: _Ratio(), True: _Ratio()}        # plain / speculative verify
+        self._draft_corr = _Ratio()                           # measured / modelled draft time
+        self._predicted_draft = 0.0                           # of the step just budgeted
         self._chain_ks = tuple(range(self.max_k + 1))          # candidate budgets per drafter kind
         self._tree_ks = (0,) + tuple(z for z in TREE_SIZES if z <= self.max_tree)
 
@@ -190,19 +196,34 @@ class AdaptiveController:
             return 1.0
         if seq.drafter in self.tree_kinds:
             size = max((z for z in TREE_SIZES if z <= min(k, self.max_tree)), default=0)
-            return self._arm_yield(seq.drafter, size) if size else 1.0
+            return self._tree_yield(seq, size) if size else 1.0
         return 1.0 + float(np.cumprod(self.alphas(seq)[: min(k, self.max_k)]).sum())
 
-    def _arm_yield(self, kind: DrafterKind, size: int) -> float:
+    @staticmethod
+    def _bounded(arm: _Arm, smaller: list[_Arm]) -> float:
         """An untried tree size is optimistic, but not far beyond what the next smaller tried
         size measured: a tree twice as big rarely yields much more (measured on the EAGLE head:
         probing 8/12/16 after 4 had shown ~1.5 tokens per step cost ~3% at one stream)."""
-        arm = self._arm(kind, size)
         if arm.observed >= 3:
             return arm.mean
-        tried = [self._arms[(kind, z)] for z in TREE_SIZES
-                 if z < size and (kind, z) in self._arms and self._arms[(kind, z)].observed >= 3]
+        tried = [a for a in smaller if a.observed >= 3]
         return min(arm.mean, 1.25 * tried[-1].mean + 0.1) if tried else arm.mean
+
+    def _arm_yield(self, kind: DrafterKind, size: int) -> float:
+        """Pooled tokens per step of a tree size, over all requests of the drafter."""
+        return self._bounded(self._arm(kind, size),
+                             [self._arms[(kind, z)] for z in TREE_SIZES if z < size and (kind, z) in self._arms])
+
+    def _tree_yield(self, seq: SequenceState, size: int) -> float:
+        """This request's tokens per step at a tree size: its own decayed mean, with the pooled
+        yield as the prior (a chat request and an edit request differ by 2x with one head; the
+        pool alone made chat requests speculate on the strength of edit requests)."""
+        arms = self._seq_arms.get(seq.seq_id, {})
+        pooled = self._arm_yield(seq.drafter, size)
+        if size in arms:
+            return arms[size].mean
+        tried = [arms[z] for z in sorted(arms) if z < size and arms[z].observed >= 3]
+        return min(pooled, 1.25 * tried[-1].mean + 0.1) if tried else pooled
 
     def verify_cost(self, batch: int, width: int) -> float:
         """Predicted seconds of a verify forward of `batch` rows x `width` tokens, corrected by
@@ -214,13 +235,16 @@ class AdaptiveController:
         for kd in kinds:
             steps = min(k, self.eagle_depth) if kd in self.tree_kinds else min(k, self.max_k)
             total += self.cost.draft(kd, batch, steps)
-        return total
+        return total * self._draft_corr.value
 
     # --- the choice --------------------------------------------------------------------------
     def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
         forced = [s.request.num_draft_tokens for s in seqs]
         free = [s for s, f in zip(seqs, forced) if s.drafter is not DrafterKind.NONE and f is None]
         k_star = self.choose_k(free, len(seqs)) if free else 0
+        kinds = {s.drafter for s in free}
+        self._predicted_draft = (self._draft_cost(kinds, len(seqs), k_star) / self._draft_corr.value
+                                 if k_star else 0.0)
         out = []
         for s, f in zip(seqs, forced):
             k = 0 if s.drafter is DrafterKind.NONE else (f if f is not None else k_star)
@@ -251,6 +275,10 @@ class AdaptiveController:
         if seq.drafter in self.tree_kinds:
             size = max((z for z in TREE_SIZES if z <= draft.num_draft_tokens), default=0)
             if size:
+                arms = self._seq_arms.setdefault(seq.seq_id, {})
+                if size not in arms:
+                    arms[size] = _Arm(prior=self._tree_yield(seq, size), decay=0.9, strength=2.0)
+                arms[size].update(verdict.num_accepted + 1)
                 self._arm(seq.drafter, size).update(verdict.num_accepted + 1)
             return
         st = self._seq.setdefault(seq.seq_id, _Acceptance(self.max_k, self.decay))
@@ -262,11 +290,14 @@ class AdaptiveController:
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
         commit): update the correction of its class."""
-        for r in self._corr.values():
+        for r in (*self._corr.values(), self._draft_corr):
             r.tick()
         predicted = self.cost.verify(batch, width)
         if predicted > 0 and verify_s > 0:
             self._corr[width > 1].update(verify_s / predicted)
+        if width > 1 and self._predicted_draft > 0 and draft_s > 0:
+            self._draft_corr.update(draft_s / self._predicted_draft)
 
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)
+        self._seq_arms.pop(seq.seq_id, None)

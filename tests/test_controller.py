@@ -127,3 +127,29 @@ def test_measured_verify_times_correct_the_build_time_cost_model():
         c.observe_step(1, 1, 0.0, COMPUTE_BOUND.verify(1, 1))
         c.observe_step(1, 4, 0.0, 1.1 * COMPUTE_BOUND.verify(1, 1))
     assert c.budgets(seqs, 4096)[0] > 0
+
+
+def test_tree_yield_is_per_request_with_the_pool_as_prior():
+    """One head, two kinds of request: an edit request that the head predicts well must not make
+    a chat request speculate once the chat request has shown its own low yield."""
+    cost = CostModel(GRID, [0.030 + 0.004 * m for m in GRID])
+    c = AdaptiveController(SpecConfig(max_tree_nodes=16), cost)
+    edit, chat, fresh = seq(0, DrafterKind.EAGLE), seq(1, DrafterKind.EAGLE), seq(2, DrafterKind.EAGLE)
+
+    class D:
+        class tree:
+            max_depth = 3
+        num_draft_tokens = 4
+
+    class V:
+        num_accepted = 0
+    for _ in range(40):
+        V.num_accepted = 3
+        c.observe(edit, D, V, 1, 0.0, 0.0)          # the edit request: 4 tokens per step
+        V.num_accepted = 0
+        c.observe(chat, D, V, 1, 0.0, 0.0)          # the chat request: 1 token per step
+    assert c.budgets([edit], 4096)[0] > 0
+    assert c.budgets([chat], 4096)[0] == 0
+    assert c.expected_tokens(fresh, 4) == c._arm_yield(DrafterKind.EAGLE, 4)   # pooled prior
+    c.forget(chat)
+    assert c.expected_tokens(chat, 4) == c._arm_yield(DrafterKind.EAGLE, 4)
