@@ -110,11 +110,12 @@ def test_untried_larger_trees_are_not_probed_after_a_poor_small_tree():
 
 def test_measured_verify_times_correct_the_build_time_cost_model():
     """The build measured one context; if wide verifies turn out dearer (or cheaper) on the live
-    server, the controller learns it from the decoder's step timings, per class (T = 1 / T > 1)."""
+    server, the controller learns it from the decoder's step timings, per width band."""
     c, seqs = controller(MEMORY_BOUND, alpha=0.6, n=1)
     assert c.budgets(seqs, 4096)[0] >= 3                 # the model says: wide verify is nearly free
     for _ in range(50):                                  # measured: every wide verify costs 3 steps
-        c.observe_step(1, 6, 0.0, 3 * MEMORY_BOUND.verify(1, 1))
+        for width in (3, 7):                             # (one per band the chain can use)
+            c.observe_step(1, width, 0.0, 3 * MEMORY_BOUND.verify(1, 1))
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))
     assert c.budgets(seqs, 4096)[0] == 0
     for _ in range(1500):                                # plain steps only: the stale speculative
