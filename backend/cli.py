@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default=None,
                    help="comma list of concurrent streams: benchmark against a real Triton server")
     p.add_argument("--rounds", type=int, default=2,
-                   help="with --concurrency: rounds per level; modes alternate ABC CBA so drift cancels")
+                   help="with --concurrency: minimum rounds per level; modes alternate ABC CBA so drift cancels")
     p.add_argument("--plot", default=None)
     p.set_defaults(func=cmd_bench)
 

@@ -10,6 +10,9 @@ expected output tokens per second of the whole batch:
     time(k)  = verify(B, k + 1) + sum_i draft_i(k)            measured cost model
     k*       = argmax_k  sum_i E_i(k) / time(k)               (k = 0 is plain decoding)
 
+where any k > 0 must beat k = 0 by a margin (5%): the model's error on a live server is about
+that large, and a wrong bet on speculation costs more than a missed one gains.
+
 alpha_i[d] is the running probability that sequence i's depth-d draft token is accepted given
 depth d-1 was (decayed counts, with the drafter's pooled statistics as the prior). The cost
 model comes from measured forward times (build/costs.py, stored in the manifest) and is
@@ -164,8 +167,9 @@ class AdaptiveController:
     priors make untried sizes get tried; decay keeps adapting)."""
 
     def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
-                 decay: float = 0.9, prior_strength: float = 2.0):
+                 decay: float = 0.9, prior_strength: float = 2.0, margin: float = 0.05):
         self.max_k = spec.max_draft_tokens
+        self.margin = margin          # speculate only for a predicted gain above the model's error
         self.max_tree = spec.max_tree_nodes
         self.eagle_depth = spec.eagle_depth
         self.cost = cost
@@ -276,6 +280,8 @@ class AdaptiveController:
         for k in sorted(ks):
             tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
             rate = tokens / (self.verify_cost(batch, k + 1) + self._draft_cost(kinds, batch, k))
+            if k:
+                rate /= 1 + self.margin
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
         return best_k

@@ -260,7 +260,7 @@ def test_concurrency_bench_round_runs_every_request_in_each_mode(server):
     for n in (1, 4, 32):
         rounds = cb.level_requests(prompts, n, 2)
         flat = [p["id"] for r in rounds for p in r]
-        assert len(rounds) == 2 and len(rounds[0]) == len(rounds[1]) >= n
+        assert len(rounds) >= 2 and len({len(r) for r in rounds}) == 1 and len(rounds[0]) >= n
         assert {p["id"] for p in prompts} <= set(flat)
     fields = {"max_tokens": 8, "temperature": 0.0, "stream": True, "apply_chat_template": True}
     parts = [cb.run_level(server.grpc_url, prompts[:3], 2, {**fields, "drafter": d})

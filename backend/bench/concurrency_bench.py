@@ -3,7 +3,7 @@
 For each concurrency level n, n client threads (one gRPC stream each) send requests as fast as
 they complete, in three modes on the same server: plain decoding (drafter none), fixed K = 5,
 and auto (the adaptive controller). The level's requests (the prompt file cycled, every prompt
-at least once, about 1.5 requests per stream per round) are split into `rounds` rounds; every
+at least once, about 1.5 requests per stream per round) form rounds (at least `rounds`); every
 mode runs every round's requests, in the order plain, fixed, auto in even rounds and reversed
 in odd ones (ABC CBA), so a slow drift of the machine's speed cancels out of the ratios instead
 of landing on whichever mode ran last. Reports total output tokens per second across all
@@ -35,7 +35,8 @@ def _one_request(url: str, fields: dict) -> dict:
     first = times[0] if times else time.perf_counter()
     return {"tokens": n, "seconds": time.perf_counter() - t0,
             "tpot_s": (times[-1] - first) / (n - 1) if n > 1 and times else 0.0,
-            "tau": float(stats.get("mean_accepted_tokens", 0.0))}
+            "tau": float(stats.get("mean_accepted_tokens", 0.0)),
+            "draft_tokens": int(stats.get("total_draft_tokens", 0))}
 
 
 def run_level(url: str, requests: list[dict], n: int, fields: dict) -> dict:
@@ -76,11 +77,13 @@ def run_level(url: str, requests: list[dict], n: int, fields: dict) -> dict:
 
 
 def level_requests(prompts: list[dict], n: int, rounds: int) -> list[list[dict]]:
-    """The prompt file cycled: every prompt at least once per level, about 1.5 requests per
-    stream in each round (so most of a round runs at n streams), split into `rounds` rounds."""
-    per_round = max(-(-len(prompts) // rounds), n + -(-n // 2))
-    total = per_round * rounds
-    cycled = [prompts[i % len(prompts)] for i in range(total)]
+    """The prompt file cycled into rounds of about 1.5 requests per stream (so most of a round
+    runs at n streams): at least `rounds` rounds and every prompt at least once per level. At
+    low n that makes many short rounds, so the modes alternate every few seconds and slow
+    drift of the machine (±5% over a minute here) cancels."""
+    per_round = max(2, -(-3 * n // 2))
+    rounds = max(rounds, -(-len(prompts) // per_round))
+    cycled = [prompts[i % len(prompts)] for i in range(per_round * rounds)]
     return [cycled[r * per_round:(r + 1) * per_round] for r in range(rounds)]
 
 
@@ -92,6 +95,7 @@ def _combine(parts: list[dict]) -> dict:
     return {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
             "tpot_ms": 1000 * sum(r["tpot_s"] for r in results) / max(1, len(results)),
             "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0,
+            "draft_tokens_per_output_token": sum(r["draft_tokens"] for r in results) / max(1, tokens),
             "errors": [e for p in parts for e in p["errors"]]}
 
 
@@ -127,6 +131,7 @@ def main(args) -> dict:
                 row[f"{mode}_tokens_per_s"] = round(r["tokens_per_s"], 2)
                 row[f"{mode}_tpot_ms"] = round(r["tpot_ms"], 2)
                 row[f"{mode}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
+                row[f"{mode}_draft_tokens_per_output_token"] = round(r["draft_tokens_per_output_token"], 3)
                 if r["errors"]:
                     row[f"{mode}_errors"] = r["errors"][:3]
             row["fixed_speedup"] = round(row["fixed_tokens_per_s"] / row["plain_tokens_per_s"], 3)
@@ -138,7 +143,8 @@ def main(args) -> dict:
             print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 "
                   f"{row['fixed_tokens_per_s']:7.1f} (x{row['fixed_speedup']:.2f}, E[tau] "
                   f"{row['fixed_mean_accepted_tokens']:.2f})  auto {row['auto_tokens_per_s']:7.1f} "
-                  f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f})  per round: fixed "
+                  f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f}, drafts/token "
+                  f"{row['auto_draft_tokens_per_output_token']:.2f})  per round: fixed "
                   f"{row['fixed_speedup_per_round']} auto {row['auto_speedup_per_round']}", flush=True)
     result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "rounds": rounds, "order": "ABC CBA (plain, fixed, auto; reversed in odd rounds)",
