@@ -58,6 +58,9 @@ class FixedController:
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         return None
 
+    def corrections(self) -> dict[str, float]:
+        return {}
+
     def forget(self, seq) -> None:
         return None
 
@@ -320,3 +323,12 @@ class AdaptiveController:
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)
         self._seq_arms.pop(seq.seq_id, None)
+
+    def corrections(self) -> dict[str, float]:
+        """Live / build-time cost ratios (the `specdec_cost_correction` gauges)."""
+        names, lo = {}, 1
+        for w, r in zip(WIDTH_BUCKETS, self._corr):
+            names[f"verify_t{lo}" if w == lo else (f"verify_t{lo}-{w}" if w < 10 ** 9 else f"verify_t{lo}+")] = r.value
+            lo = w + 1
+        names["draft"] = self._draft_corr.value
+        return names

@@ -20,6 +20,9 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
   specdec_time_per_output_token_seconds           histogram per request (after the first token)
   specdec_active_sequences                        gauge
   specdec_finished_requests_total{reason}         stop | length | cancelled
+  specdec_cost_correction{part}                   gauge, live / build-time cost of verify (per width
+                                                  band: verify_t1, verify_t2-5, ...) and of drafting,
+                                                  as the adaptive controller uses it (every 64 steps)
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class Metrics:
         self._finished: dict[str, object] = {}
         self._by_drafter: dict[str, tuple] = {}
         self._by_pos: dict[int, tuple] = {}
+        self._corr: dict[str, object] = {}
         self._window: collections.deque = collections.deque(maxlen=WINDOW)
 
     def _drafter(self, name: str):
@@ -115,6 +119,14 @@ class Metrics:
             ca.increment(pos_a[d])
             wd = sum(x[4].get(d, 0) for x in self._window)
             g.set(sum(x[5].get(d, 0) for x in self._window) / wd if wd else 0.0)
+
+    def on_corrections(self, parts: dict[str, float]) -> None:
+        for part, v in parts.items():
+            if part not in self._corr:
+                self._corr[part] = self.r.gauge("specdec_cost_correction",
+                                                "Live / build-time cost ratio used by the adaptive controller",
+                                                {**self.labels, "part": part})
+            self._corr[part].set(v)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -153,6 +153,8 @@ class Scheduler:
         self.batch_hist[len(batch)] += 1
         if self.metrics is not None:
             self.metrics.on_step(outs, len(batch), [e.seq.drafter.value for e in batch])
+            if self.steps % 64 == 1:                            # a few IPC calls: not every step
+                self.metrics.on_corrections(self.decoder.controller.corrections())
         for e, out in zip(batch, outs):
             e.sink.send(out)
             if out.finished:

@@ -118,6 +118,9 @@ def test_measured_verify_times_correct_the_build_time_cost_model():
             c.observe_step(1, width, 0.0, 3 * MEMORY_BOUND.verify(1, 1))
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))
     assert c.budgets(seqs, 4096)[0] == 0
+    corr = c.corrections()                               # what the metrics gauges show
+    assert corr["verify_t2-5"] > 2.0 and corr["verify_t6-9"] > 2.0 and abs(corr["verify_t1"] - 1) < 0.01
+    assert set(corr) == {"verify_t1", "verify_t2-5", "verify_t6-9", "verify_t10-13", "verify_t14+", "draft"}
     for _ in range(1500):                                # plain steps only: the stale speculative
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))   # correction fades back to the model
     assert c.budgets(seqs, 4096)[0] >= 3

@@ -247,7 +247,8 @@ def test_metrics_move_after_a_request(server):
         metric_value(before, "specdec_draft_tokens_total", model="specdec")
     for name in ("specdec_acceptance_rate", "specdec_mean_accepted_tokens", "specdec_position_acceptance_rate",
                  "specdec_time_to_first_token_seconds_count", "specdec_time_per_output_token_seconds_count",
-                 "specdec_draft_seconds_count", "specdec_verify_seconds_count", "specdec_active_sequences"):
+                 "specdec_draft_seconds_count", "specdec_verify_seconds_count", "specdec_active_sequences",
+                 "specdec_cost_correction"):
         assert re.search(rf"^{name}\{{", after, re.M), name
 
 
