@@ -110,6 +110,21 @@ class KVLayout:
         self.valid[row, cols[length:]] = False
         self.lengths[row] = length
 
+    def place_row(self, row: int, length: int) -> None:
+        """Row `row` (an existing row, or num_rows to add one) now holds a sequence whose
+        `length` committed tokens sit in its first columns; the rest of the row is garbage."""
+        assert length <= self.num_cols and not self.has_scratch(), (length, self.num_cols)
+        mask = np.arange(self.num_cols) < length
+        if row == self.num_rows:
+            self.lengths = np.append(self.lengths, length)
+            self.valid = np.vstack([self.valid, mask[None]])
+            self.scratch_cols.append(np.zeros(0, np.int64))
+            self.scratch_anc.append(np.zeros((0, 0), bool))
+            self.scratch_depth.append(np.zeros(0, np.int64))
+        else:
+            self.lengths[row] = length
+            self.valid[row] = mask
+
     def needs_compaction(self) -> bool:
         g = self.num_cols - int(self.lengths.max())
         return g > 32 + self.num_cols // 8

@@ -5,7 +5,12 @@ a batch group keeps, per layer, two flat buffers; the past is a view of one, and
 writes the present (past + T new columns) straight into a view of the other, which becomes the
 next past. No KV is copied between steps except by that Concat; garbage columns of rejected
 tree nodes are masked (kv_cache.py) and squeezed out now and then. Sequences that are run
-together share a group; a forward over a different set of sequences regroups them (one copy).
+together share a group. Continuous batching changes the set every time a request joins or
+leaves, and copying the whole cache then costs 3-7 decode steps at 16 x 450 tokens (measured),
+so a group changes in place where it can: a finished sequence leaves an idle row (fed padding,
+its output dropped) that the next joining sequence takes over, or a row is appended; only
+when a joiner is longer than the group, idle rows pass a quarter of the group, or garbage
+grows, are the sequences copied into a new group.
 Knows: ORT sessions, IOBinding, KV storage. Does not know: sampling, drafting, requests.
 """
 from __future__ import annotations
@@ -63,17 +68,21 @@ def session_options(threads: int, spinning: bool):
 
 
 class _Grow:
-    """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost)."""
+    """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost,
+    unless `keep`: then the old prefix is copied, which keeps leading rows of a row-major view)."""
 
     __slots__ = ("flat",)
 
     def __init__(self):
         self.flat = np.empty(0, np.float32)
 
-    def view(self, shape) -> np.ndarray:
+    def view(self, shape, keep: int = 0) -> np.ndarray:
         n = int(np.prod(shape))
         if self.flat.size < n:
+            old = self.flat
             self.flat = np.empty(n + n // 4 + 4096, np.float32)
+            if keep:
+                self.flat[:keep] = old[:keep]
         return self.flat[:n].reshape(shape)
 
 
@@ -98,6 +107,11 @@ class _Group:
 
     def row(self, seq_id: int) -> int:
         return self.seq_ids.index(seq_id)
+
+    def past_views(self, shape) -> list[np.ndarray]:
+        """The current past reshaped to `shape` (more rows), keeping the existing rows."""
+        keep = int(np.prod(self.kv[0].shape)) if self.kv else 0
+        return [pair[self.cur].view(shape, keep) for pair in self.store]
 
     def live_ids(self) -> list[int]:
         return [s for s in self.seq_ids if s not in self.dead]
@@ -162,6 +176,12 @@ class OrtRuntime:
             return ForwardOutput(out.logits, out.hidden[:, :1])
         with self._lock:
             g = self._group_for(seq_ids)
+            rows = [g.row(sid) for sid in seq_ids]
+            full = rows == list(range(len(g.seq_ids)))
+            if not full:                  # idle rows of the group: padding in, output dropped
+                input_ids, parents, logits_index, extra_inputs = _spread(
+                    rows, len(g.seq_ids), input_ids, parents, logits_index, extra_inputs)
+                b = len(g.seq_ids)
             bias, positions = g.layout.forward_inputs(parents)
             if positions.max() >= self.max_seq_len:
                 raise ValueError(f"sequence too long: position {int(positions.max())} >= "
@@ -189,15 +209,21 @@ class OrtRuntime:
             self.session.run_with_iobinding(io)
             g.swap(presents)                           # the present is the next past
             g.layout.append(t)
+            if not full:
+                return ForwardOutput(logits[rows], hidden[rows])
             return ForwardOutput(logits, hidden)
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
         with self._lock:
             g = self._where[seq_ids[0]]
+            nodes_of = {}
             for sid, nodes in zip(seq_ids, keep):
                 assert self._where[sid] is g, "commit must follow a forward over the same sequences"
-                g.layout.commit(g.row(sid), nodes)
-            if g.layout.needs_compaction() or g.dead:
+                nodes_of[sid] = nodes
+            empty = np.zeros(0, np.int64)
+            for r, sid in enumerate(g.seq_ids):        # idle rows drop their scratch
+                g.layout.commit(r, nodes_of.get(sid, empty))
+            if g.layout.needs_compaction() or len(g.dead) > len(g.seq_ids) // 4:
                 self._regroup(g.live_ids())
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -207,13 +233,53 @@ class OrtRuntime:
 
     # --- grouping ----------------------------------------------------------------------------
     def _group_for(self, seq_ids: list[int]) -> _Group:
+        """The group to run seq_ids in: the largest group holding any of them, with the others
+        moved into its idle rows (or appended) when that is cheap, else a new group."""
         for s in seq_ids:
             if s not in self._where:
                 raise KeyError(f"sequence {s} is not allocated")
-        g = self._where[seq_ids[0]]
-        if g.seq_ids == list(seq_ids) and not g.dead:
-            return g
-        return self._regroup(list(seq_ids))
+        g = max({id(self._where[s]): self._where[s] for s in seq_ids}.values(), key=lambda x: len(x.seq_ids))
+        joiners = [s for s in seq_ids if self._where[s] is not g]
+        if not joiners:
+            if g.seq_ids == list(seq_ids) and not g.dead:
+                return g
+            idle = len(g.seq_ids) - len(seq_ids)
+            if idle <= len(g.seq_ids) // 4 or g.layout.has_scratch():
+                return g                               # run the other rows idle
+            return self._regroup(list(seq_ids))
+        free_rows = [r for r, sid in enumerate(g.seq_ids) if sid in g.dead]
+        rows_after = len(g.seq_ids) + max(0, len(joiners) - len(free_rows))
+        cheap = (rows_after - len(seq_ids) <= rows_after // 4
+                 and all(self.length(s) <= g.layout.num_cols for s in joiners)
+                 and not g.layout.has_scratch()
+                 and not any(self._where[s].layout.has_scratch() for s in joiners))
+        if not cheap:
+            return self._regroup(list(seq_ids))
+        for s in joiners:
+            self._move_in(g, s, free_rows.pop(0) if free_rows else len(g.seq_ids))
+        return g
+
+    def _move_in(self, g: _Group, seq_id: int, row: int) -> None:
+        """Copy seq_id's committed KV into row `row` of g (an idle row, or a new last row)."""
+        src = self._where[seq_id]
+        sr = src.row(seq_id)
+        cols = src.layout.columns(sr)
+        n = cols.size
+        if row == len(g.seq_ids):
+            b, hkv, L, d = g.kv[0].shape
+            g.kv = g.past_views((b + 1, hkv, L, d))
+            g.seq_ids.append(seq_id)
+        else:
+            g.dead.discard(g.seq_ids[row])
+            g.seq_ids[row] = seq_id
+        for dst, old in zip(g.kv, src.kv):
+            dst[row, :, :n] = old[sr][:, cols]
+            dst[row, :, n:] = 0.0                      # garbage must be finite: 0 * v == 0
+        g.layout.place_row(row, n)
+        src.dead.add(seq_id)
+        if not src.live_ids() and src in self._groups:
+            self._groups.remove(src)
+        self._where[seq_id] = g
 
     def _regroup(self, seq_ids: list[int]) -> _Group:
         """Copy the committed columns of seq_ids (from wherever they live) into a new group."""
@@ -260,3 +326,21 @@ class OrtRuntime:
         self._groups.clear()
         self._where.clear()
         self.session = None
+
+
+def _spread(rows: list[int], b: int, input_ids, parents, logits_index, extra):
+    """Inputs of len(rows) sequences -> inputs of all b rows of their group; the other rows get
+    one padding node each (attends to itself only, never committed)."""
+    t = input_ids.shape[1]
+    ids = np.zeros((b, t), np.int64)
+    par = np.full((b, t), PAD_PARENT, np.int32)
+    idx = np.zeros((b, logits_index.shape[1]), np.int64)
+    ids[rows], par[rows], idx[rows] = input_ids, parents, logits_index
+    ext = None
+    if extra:
+        ext = {}
+        for k, a in extra.items():
+            full = np.zeros((b,) + a.shape[1:], a.dtype)
+            full[rows] = a
+            ext[k] = full
+    return ids, par, idx, ext
