@@ -113,6 +113,13 @@ def main(args) -> dict:
     modes = {"plain": {**base, "drafter": "none"},
              "fixed": {**base, "drafter": drafter, "num_draft_tokens": 5},
              "auto": {**base, "drafter": drafter}}
+    # at n=1 also every other fixed K (tree sizes for tree drafters), same rounds: is auto
+    # within 5% of the best fixed K?
+    sweep = str(getattr(args, "sweep_k", "") or
+                ("2,4,8,12,16" if drafter in ("eagle", "lookup+eagle") else "1,2,3,4,6,8"))
+    sweep_ks = [int(k) for k in sweep.split(",") if k.strip() and int(k) != 5]
+    for k in sweep_ks:
+        modes[f"k{k}"] = {**base, "drafter": drafter, "num_draft_tokens": k}
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
         raise SystemExit(f"no engines in {repo}: run `specdec build` first")
@@ -128,9 +135,10 @@ def main(args) -> dict:
         for mode in MODES:
             run_level(srv.grpc_url, list(kinds.values()), 1, modes[mode])
         for n in levels:
-            parts: dict[str, list[dict]] = {m: [] for m in MODES}
+            names = list(MODES) + ([f"k{k}" for k in sweep_ks] if n == 1 else [])
+            parts: dict[str, list[dict]] = {m: [] for m in names}
             for i, requests in enumerate(level_requests(prompts, n, rounds)):
-                for mode in (MODES if i % 2 == 0 else MODES[::-1]):     # ABC CBA: drift cancels
+                for mode in (names if i % 2 == 0 else names[::-1]):     # ABC CBA: drift cancels
                     parts[mode].append(run_level(srv.grpc_url, requests, n, modes[mode]))
             row = {"n": n, "requests_per_mode": sum(len(p["results"]) for p in parts["plain"])}
             for mode in MODES:
@@ -146,6 +154,17 @@ def main(args) -> dict:
             for mode in ("fixed", "auto"):
                 row[f"{mode}_speedup_per_round"] = [round(a["tokens_per_s"] / p["tokens_per_s"], 3)
                                                     for a, p in zip(parts[mode], parts["plain"])]
+            if n == 1 and sweep_ks:
+                fixed = {5: row["fixed_speedup"]}
+                for k in sweep_ks:
+                    r = _combine(parts[f"k{k}"])
+                    fixed[k] = round(r["tokens_per_s"] / row["plain_tokens_per_s"], 3)
+                best = max(fixed, key=fixed.get)
+                row["fixed_k_speedup"] = {str(k): fixed[k] for k in sorted(fixed)}
+                row["best_fixed_k"], row["best_fixed_speedup"] = best, fixed[best]
+                row["auto_vs_best_fixed"] = round(row["auto_speedup"] / fixed[best], 3)
+                print(f"n=1   fixed K sweep {row['fixed_k_speedup']}: best K={best} "
+                      f"x{fixed[best]:.2f}; auto / best fixed = {row['auto_vs_best_fixed']:.3f}", flush=True)
             rows.append(row)
             print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 "
                   f"{row['fixed_tokens_per_s']:7.1f} (x{row['fixed_speedup']:.2f}, E[tau] "
@@ -154,7 +173,7 @@ def main(args) -> dict:
                   f"{row['auto_draft_tokens_per_output_token']:.2f})  per round: fixed "
                   f"{row['fixed_speedup_per_round']} auto {row['auto_speedup_per_round']}", flush=True)
     result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "rounds": rounds, "order": "ABC CBA (plain, fixed, auto; reversed in odd rounds)",
+              "rounds": rounds, "order": "ABC CBA (plain, fixed, auto[, fixed K sweep at n=1]; reversed in odd rounds)",
               "concurrency": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
