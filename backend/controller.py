@@ -17,13 +17,14 @@ alpha_i[d] is the running probability that sequence i's depth-d draft token is a
 depth d-1 was (decayed counts, with the drafter's pooled statistics as the prior). The cost
 model comes from measured forward times (build/costs.py, stored in the manifest) and is
 corrected online: the decoder reports every step's batch, width and measured draft and verify
-times, and verify(B, T) is scaled by the decayed ratio of measured to predicted time, kept
-separately for plain steps (T = 1) and for bands of speculative widths (2-5, 6-9, 10-13, 14+),
-since the build measured one context and bare forwards, while live steps have longer contexts,
-garbage columns and per-node acceptance work, all of which grow with T; the draft time
-likewise (the build times the head's forward, not the tree search around it). An unobserved
-class drifts back to the build-time model, so a bad spell does not switch speculation off for
-good.
+times, and verify(B, T) is scaled by the decayed ratio of measured to predicted time, kept per
+batch band (1, 2-3, 4-7, 8-15, 16-31, 32+) and width band (1, 2-5, 6-9, 10-13, 14+), since the
+build measured bare B = 1 forwards at one context, while live steps have longer contexts,
+garbage columns and per-node acceptance work, which grow with B and T. A speculative band
+with few observations is pulled toward the plain (T = 1) ratio of its batch band, and the
+draft ratio of a batch band toward the next smaller band's (the build times the head's
+forward, not the tree search around it). Unobserved ratios drift back to their priors, so a
+bad spell does not switch speculation off for good.
 Everything is continuous in load and acceptance, so a small change in either makes a small
 change in k (no thresholds).
 Drafter state is independent of the budget, so switching speculation off and on is safe.
@@ -114,24 +115,31 @@ class _Acceptance:
 
 
 class _Ratio:
-    """Decayed mean of measured / predicted verify time; the prior (1.0: the build-time model)
-    counts as `strength` observations, and decay applies on every step, observed or not."""
+    """Decayed mean of measured / predicted time; the prior (1.0 = the build-time model, or a
+    related ratio passed in) counts as `strength` observations, and decay applies per step
+    (`now` counts steps; applied lazily), observed or not."""
 
     def __init__(self, decay: float = 0.99, strength: float = 4.0, lo: float = 0.25, hi: float = 4.0):
         self.total = self.count = 0.0
+        self.t = 0
         self.decay, self.strength, self.lo, self.hi = decay, strength, lo, hi
 
-    def tick(self) -> None:
-        self.total *= self.decay
-        self.count *= self.decay
+    def _age(self, now: int) -> None:
+        if now > self.t:
+            if self.count:
+                f = self.decay ** (now - self.t)
+                self.total *= f
+                self.count *= f
+            self.t = now
 
-    def update(self, ratio: float) -> None:
+    def update(self, ratio: float, now: int) -> None:
+        self._age(now)
         self.total += min(self.hi, max(self.lo, ratio))
         self.count += 1
 
-    @property
-    def value(self) -> float:
-        return (self.total + self.strength) / (self.count + self.strength)
+    def value(self, now: int, prior: float = 1.0) -> float:
+        self._age(now)
+        return (self.total + self.strength * prior) / (self.count + self.strength)
 
 
 WIDTH_BUCKETS = (1, 5, 9, 13)   # verify widths 1 | 2-5 | 6-9 | 10-13 | 14+ share a correction
@@ -140,6 +148,13 @@ WIDTH_BUCKETS = WIDTH_BUCKETS + (10 ** 9,)
 
 def _bucket(width: int) -> int:
     return next(i for i, w in enumerate(WIDTH_BUCKETS) if width <= w)
+
+
+BATCH_BUCKETS = (1, 3, 7, 15, 31, 10 ** 9)   # batch 1 | 2-3 | 4-7 | 8-15 | 16-31 | 32+
+
+
+def _bbucket(batch: int) -> int:
+    return next(i for i, b in enumerate(BATCH_BUCKETS) if batch <= b)
 
 
 TREE_SIZES = (4, 8, 12, 16)      # tree budgets the controller chooses between (tree drafters)
@@ -183,8 +198,13 @@ class AdaptiveController:
         self._pool: dict[DrafterKind, _Acceptance] = {}
         self._arms: dict[tuple[DrafterKind, int], _Arm] = {}      # pooled over requests
         self._seq_arms: dict[int, dict[int, _Arm]] = {}            # per request, pooled prior
-        self._corr = [_Ratio() for _ in WIDTH_BUCKETS]         # verify, per width bucket
-        self._draft_corr = _Ratio()                           # measured / modelled draft time
+        # measured / modelled verify time per (batch band, width band), and draft time per batch
+        # band; a speculative band with few observations leans on the plain ratio of the same
+        # batch band (learned at n=1, a spec ratio says nothing about B=8, where long contexts
+        # make every forward dearer than the build's B=1 model)
+        self._corr = [[_Ratio() for _ in WIDTH_BUCKETS] for _ in BATCH_BUCKETS]
+        self._draft_corr = [_Ratio() for _ in BATCH_BUCKETS]
+        self._now = 0                                          # steps observed
         self._predicted_draft = 0.0                           # of the step just budgeted
         self._chain_ks = tuple(range(self.max_k + 1))          # candidate budgets per drafter kind
         self._tree_ks = (0,) + tuple(z for z in TREE_SIZES if z <= self.max_tree)
@@ -248,14 +268,24 @@ class AdaptiveController:
     def verify_cost(self, batch: int, width: int) -> float:
         """Predicted seconds of a verify forward of `batch` rows x `width` tokens, corrected by
         the measured ratio of its class (plain or speculative)."""
-        return self.cost.verify(batch, width) * self._corr[_bucket(width)].value
+        return self.cost.verify(batch, width) * self._verify_ratio(batch, width)
+
+    def _verify_ratio(self, batch: int, width: int) -> float:
+        row = self._corr[_bbucket(batch)]
+        plain = row[0].value(self._now)
+        return plain if width <= 1 else row[_bucket(width)].value(self._now, plain)
+
+    def _draft_ratio(self, batch: int) -> float:
+        i = _bbucket(batch)
+        prior = 1.0 if i == 0 else self._draft_corr[i - 1].value(self._now)
+        return self._draft_corr[i].value(self._now, prior)
 
     def _draft_cost(self, kinds: set, batch: int, k: int) -> float:
         total = 0.0
         for kd in kinds:
             steps = min(k, self.eagle_depth) if kd in self.tree_kinds else min(k, self.max_k)
             total += self.cost.draft(kd, batch, steps)
-        return total * self._draft_corr.value
+        return total * self._draft_ratio(batch)
 
     # --- the choice --------------------------------------------------------------------------
     def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
@@ -263,7 +293,7 @@ class AdaptiveController:
         free = [s for s, f in zip(seqs, forced) if s.drafter is not DrafterKind.NONE and f is None]
         k_star = self.choose_k(free, len(seqs)) if free else 0
         kinds = {s.drafter for s in free}
-        self._predicted_draft = (self._draft_cost(kinds, len(seqs), k_star) / self._draft_corr.value
+        self._predicted_draft = (self._draft_cost(kinds, len(seqs), k_star) / self._draft_ratio(len(seqs))
                                  if k_star else 0.0)
         out = []
         for s, f in zip(seqs, forced):
@@ -312,23 +342,29 @@ class AdaptiveController:
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
         commit): update the correction of its class."""
-        for r in (*self._corr, self._draft_corr):
-            r.tick()
+        self._now += 1
         predicted = self.cost.verify(batch, width)
         if predicted > 0 and verify_s > 0:
-            self._corr[_bucket(width)].update(verify_s / predicted)
+            self._corr[_bbucket(batch)][_bucket(width)].update(verify_s / predicted, self._now)
         if width > 1 and self._predicted_draft > 0 and draft_s > 0:
-            self._draft_corr.update(draft_s / self._predicted_draft)
+            self._draft_corr[_bbucket(batch)].update(draft_s / self._predicted_draft, self._now)
 
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)
         self._seq_arms.pop(seq.seq_id, None)
 
     def corrections(self) -> dict[str, float]:
-        """Live / build-time cost ratios (the `specdec_cost_correction` gauges)."""
-        names, lo = {}, 1
-        for w, r in zip(WIDTH_BUCKETS, self._corr):
-            names[f"verify_t{lo}" if w == lo else (f"verify_t{lo}-{w}" if w < 10 ** 9 else f"verify_t{lo}+")] = r.value
-            lo = w + 1
-        names["draft"] = self._draft_corr.value
+        """Live / build-time cost ratios as used (the `specdec_cost_correction` gauges):
+        verify_t{width band}_b{batch band} and draft_b{batch band}."""
+        def band(bounds, i):
+            lo = 1 if i == 0 else bounds[i - 1] + 1
+            hi = bounds[i]
+            return str(lo) if hi == lo else (f"{lo}+" if hi >= 10 ** 9 else f"{lo}-{hi}")
+        names = {}
+        for bi in range(len(BATCH_BUCKETS)):
+            b = 1 if bi == 0 else BATCH_BUCKETS[bi - 1] + 1
+            for wi in range(len(WIDTH_BUCKETS)):
+                w = 1 if wi == 0 else WIDTH_BUCKETS[wi - 1] + 1
+                names[f"verify_t{band(WIDTH_BUCKETS, wi)}_b{band(BATCH_BUCKETS, bi)}"] = self._verify_ratio(b, w)
+            names[f"draft_b{band(BATCH_BUCKETS, bi)}"] = self._draft_ratio(b)
         return names

@@ -119,8 +119,8 @@ def test_measured_verify_times_correct_the_build_time_cost_model():
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))
     assert c.budgets(seqs, 4096)[0] == 0
     corr = c.corrections()                               # what the metrics gauges show
-    assert corr["verify_t2-5"] > 2.0 and corr["verify_t6-9"] > 2.0 and abs(corr["verify_t1"] - 1) < 0.01
-    assert set(corr) == {"verify_t1", "verify_t2-5", "verify_t6-9", "verify_t10-13", "verify_t14+", "draft"}
+    assert corr["verify_t2-5_b1"] > 2.0 and corr["verify_t6-9_b1"] > 2.0 and abs(corr["verify_t1_b1"] - 1) < 0.01
+    assert len(corr) == 6 * 6 and "draft_b32+" in corr and "verify_t14+_b16-31" in corr
     for _ in range(1500):                                # plain steps only: the stale speculative
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))   # correction fades back to the model
     assert c.budgets(seqs, 4096)[0] >= 3
@@ -157,3 +157,15 @@ def test_tree_yield_is_per_request_with_the_pool_as_prior():
     assert c.expected_tokens(fresh, 4) == c._arm_yield(DrafterKind.EAGLE, 4)   # pooled prior
     c.forget(chat)
     assert c.expected_tokens(chat, 4) == c._arm_yield(DrafterKind.EAGLE, 4)
+
+
+def test_speculative_cost_at_a_new_batch_size_leans_on_that_batch_sizes_plain_cost():
+    """Wide verifies measured cheap at one stream say nothing about eight streams: if plain
+    steps at B=8 run 2.5x the build model, an unobserved wide verify at B=8 is priced alike."""
+    c, _ = controller(MEMORY_BOUND, alpha=0.6, n=1)
+    for _ in range(200):
+        c.observe_step(1, 5, 0.0, MEMORY_BOUND.verify(1, 5))          # n=1: the model holds
+        c.observe_step(8, 1, 0.0, 2.5 * MEMORY_BOUND.verify(8, 1))    # n=8: plain is 2.5x dearer
+    assert abs(c.verify_cost(1, 5) / MEMORY_BOUND.verify(1, 5) - 1) < 0.05
+    assert c.verify_cost(8, 5) / MEMORY_BOUND.verify(8, 5) > 2.0
+    assert c.verify_cost(8, 1) / MEMORY_BOUND.verify(8, 1) > 2.0
