@@ -6,11 +6,11 @@ writes the present (past + T new columns) straight into a view of the other, whi
 next past. No KV is copied between steps except by that Concat; garbage columns of rejected
 tree nodes are masked (kv_cache.py) and squeezed out now and then. Sequences that are run
 together share a group. Continuous batching changes the set every time a request joins or
-leaves, and copying the whole cache then costs 3-7 decode steps at 16 x 450 tokens (measured),
-so a group changes in place where it can: a finished sequence leaves an idle row (fed padding,
-its output dropped) that the next joining sequence takes over, or a row is appended; only
-when a joiner is longer than the group, idle rows pass a quarter of the group, or garbage
-grows, are the sequences copied into a new group.
+leaves, and copying the whole cache then costs 3-7 decode steps at 16 x 450 tokens (measured
+offline), so a group changes in place where it can: a finished sequence leaves an idle row
+(fed padding, its output dropped) that the next joining sequence takes over, or a row is
+appended; only when a joiner is longer than the group, idle rows pass a quarter of the group,
+or garbage grows, are the sequences copied into a new group.
 Knows: ORT sessions, IOBinding, KV storage. Does not know: sampling, drafting, requests.
 """
 from __future__ import annotations
