@@ -142,8 +142,7 @@ class _Ratio:
         return (self.total + self.strength * prior) / (self.count + self.strength)
 
 
-WIDTH_BUCKETS = (1, 5, 9, 13)   # verify widths 1 | 2-5 | 6-9 | 10-13 | 14+ share a correction
-WIDTH_BUCKETS = WIDTH_BUCKETS + (10 ** 9,)
+WIDTH_BUCKETS = (1, 5, 9, 13, 10 ** 9)   # verify widths 1 | 2-5 | 6-9 | 10-13 | 14+
 
 
 def _bucket(width: int) -> int:
@@ -267,7 +266,7 @@ class AdaptiveController:
 
     def verify_cost(self, batch: int, width: int) -> float:
         """Predicted seconds of a verify forward of `batch` rows x `width` tokens, corrected by
-        the measured ratio of its class (plain or speculative)."""
+        the measured ratio of its batch band x width band."""
         return self.cost.verify(batch, width) * self._verify_ratio(batch, width)
 
     def _verify_ratio(self, batch: int, width: int) -> float:
@@ -280,12 +279,13 @@ class AdaptiveController:
         prior = 1.0 if i == 0 else self._draft_corr[i - 1].value(self._now)
         return self._draft_corr[i].value(self._now, prior)
 
-    def _draft_cost(self, kinds: set, batch: int, k: int) -> float:
+    def _draft_model_cost(self, kinds: set, batch: int, k: int) -> float:
+        """The build-time model's draft time (uncorrected)."""
         total = 0.0
         for kd in kinds:
             steps = min(k, self.eagle_depth) if kd in self.tree_kinds else min(k, self.max_k)
             total += self.cost.draft(kd, batch, steps)
-        return total * self._draft_ratio(batch)
+        return total
 
     # --- the choice --------------------------------------------------------------------------
     def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
@@ -293,8 +293,7 @@ class AdaptiveController:
         free = [s for s, f in zip(seqs, forced) if s.drafter is not DrafterKind.NONE and f is None]
         k_star = self.choose_k(free, len(seqs)) if free else 0
         kinds = {s.drafter for s in free}
-        self._predicted_draft = (self._draft_cost(kinds, len(seqs), k_star) / self._draft_ratio(len(seqs))
-                                 if k_star else 0.0)
+        self._predicted_draft = self._draft_model_cost(kinds, len(seqs), k_star) if k_star else 0.0
         out = []
         for s, f in zip(seqs, forced):
             k = 0 if s.drafter is DrafterKind.NONE else (f if f is not None else k_star)
@@ -309,10 +308,12 @@ class AdaptiveController:
         ks = set()                  # between tree sizes the yield is flat and the cost grows
         for kd in kinds:
             ks.update(self._tree_ks if kd in self.tree_kinds else self._chain_ks)
+        draft_ratio = self._draft_ratio(batch)                  # once per step, not per k
         best_k, best = 0, -1.0
         for k in sorted(ks):
             tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
-            rate = tokens / (self.verify_cost(batch, k + 1) + self._draft_cost(kinds, batch, k))
+            rate = tokens / (self.verify_cost(batch, k + 1)
+                             + self._draft_model_cost(kinds, batch, k) * draft_ratio)
             if k:
                 rate /= 1 + self.margin
             if rate > best * (1 + 1e-9):

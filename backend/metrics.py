@@ -20,9 +20,10 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
   specdec_time_per_output_token_seconds           histogram per request (after the first token)
   specdec_active_sequences                        gauge
   specdec_finished_requests_total{reason}         stop | length | cancelled
-  specdec_cost_correction{part}                   gauge, live / build-time cost of verify (per width
-                                                  band: verify_t1, verify_t2-5, ...) and of drafting,
-                                                  as the adaptive controller uses it (every 64 steps)
+  specdec_cost_correction{part}                   gauge, live / build-time cost ratio the adaptive
+                                                  controller uses: verify_t{width band}_b{batch band}
+                                                  (verify_t2-5_b8-15, ...) and draft_b{batch band};
+                                                  published every 64 steps
 """
 from __future__ import annotations
 

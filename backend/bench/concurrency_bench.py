@@ -68,12 +68,9 @@ def run_level(url: str, requests: list[dict], n: int, fields: dict) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in results)
-    taus = [r["tau"] for r in results if r["tau"] > 0]
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "seconds": wall,
-            "tpot_ms": 1000 * sum(r["tpot_s"] for r in results) / max(1, len(results)),
-            "mean_accepted_tokens": sum(taus) / len(taus) if taus else 1.0, "errors": errors,
-            "results": results}
+    raw = {"tokens": sum(r["tokens"] for r in results), "seconds": wall, "results": results,
+           "errors": errors}
+    return {**_combine([raw]), "results": results}
 
 
 def level_requests(prompts: list[dict], n: int, rounds: int) -> list[list[dict]]:

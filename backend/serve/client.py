@@ -54,10 +54,8 @@ def grpc_inputs(fields: dict):
     return inputs
 
 
-def stream_grpc(url: str, model: str, fields: dict, on_text, timeout: float = 600.0,
-                on_stats=None) -> dict:
-    """Send one request over a gRPC stream; call on_text(chunk) (and on_stats(stats), the
-    cumulative counts) per response; return the last stats."""
+def stream_grpc(url: str, model: str, fields: dict, on_text, timeout: float = 600.0) -> dict:
+    """Send one request over a gRPC stream; call on_text(chunk) per response; return last stats."""
     import tritonclient.grpc as grpcclient
 
     q: queue.Queue = queue.Queue()
@@ -77,8 +75,6 @@ def stream_grpc(url: str, model: str, fields: dict, on_text, timeout: float = 60
                 on_text(result.as_numpy(triton_io.TEXT_OUTPUT).reshape(-1)[0].decode("utf-8", "replace"))
                 stats = {k: result.as_numpy(k).reshape(-1)[0] for k in triton_io.STAT_OUTPUTS
                          if result.as_numpy(k) is not None}
-                if on_stats is not None:
-                    on_stats(stats)
             if resp.parameters["triton_final_response"].bool_param:
                 return stats
     finally:
