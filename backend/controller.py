@@ -40,12 +40,14 @@ from backend.sequence import SequenceState
 
 
 class FixedController:
+    wants_previews = False
+
     def __init__(self, spec: SpecConfig, default_k: int = 4):
         self.k = spec.num_draft_tokens if spec.num_draft_tokens is not None else default_k
         self.max_k = spec.max_draft_tokens
         self.max_tree = spec.max_tree_nodes
 
-    def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
+    def budgets(self, seqs: list[SequenceState], max_seq_len: int, previews=None) -> list[int]:
         out = []
         for s in seqs:
             k = s.request.num_draft_tokens if s.request.num_draft_tokens is not None else self.k
@@ -181,7 +183,17 @@ class AdaptiveController:
     """See the module docstring. Chain drafters (prompt lookup, draft model) are modelled by
     per-depth acceptance; tree drafters (EAGLE) by the measured tokens per step of each tree
     size in TREE_SIZES, per request, with the drafter's pooled yield as the prior (optimistic
-    priors make untried sizes get tried; decay keeps adapting)."""
+    priors make untried sizes get tried; decay keeps adapting).
+
+    Free drafters (prompt lookup) show what they would propose before the choice (`previews`):
+    a row with no match expects one token whatever k is and does not widen the verify, and on
+    steps where its budget is 0 the preview is kept as a shadow draft and scored against the
+    tokens the row then emits. The emitted token equals a point-mass draft token with exactly
+    the probability that rejection sampling accepts it (p(x), greedy or sampled), so a shadow
+    is an unbiased acceptance observation at no cost, and a request whose text turns
+    repetitive after a bad spell is not locked out of speculation by its own estimate."""
+
+    wants_previews = True
 
     def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
                  decay: float = 0.9, prior_strength: float = 2.0, margin: float = 0.05):
@@ -197,6 +209,8 @@ class AdaptiveController:
         self._pool: dict[DrafterKind, _Acceptance] = {}
         self._arms: dict[tuple[DrafterKind, int], _Arm] = {}      # pooled over requests
         self._seq_arms: dict[int, dict[int, _Arm]] = {}            # per request, pooled prior
+        self._shadow: dict[int, list] = {}                         # seq id -> [chain, matched]
+        self._previews: dict[int, list[int]] = {}                  # this step's, per seq id
         # measured / modelled verify time per (batch band, width band), and draft time per batch
         # band; a speculative band with few observations leans on the plain ratio of the same
         # batch band (learned at n=1, a spec ratio says nothing about B=8, where long contexts
@@ -225,8 +239,11 @@ class AdaptiveController:
             self._arms[(kind, size)] = _Arm(prior=1.0 + 3.0 * (1 - np.exp(-size / 6.0)))
         return self._arms[(kind, size)]
 
-    def expected_tokens(self, seq: SequenceState, k: int) -> float:
-        """E[tokens emitted in one step] for sequence `seq` with a draft budget of k."""
+    def expected_tokens(self, seq: SequenceState, k: int, available: int | None = None) -> float:
+        """E[tokens emitted in one step] for sequence `seq` with a draft budget of k (of which
+        a free drafter can fill `available`)."""
+        if available is not None:
+            k = min(k, available)
         if k <= 0 or seq.drafter is DrafterKind.NONE:
             return 1.0
         if seq.drafter in self.tree_kinds:
@@ -288,30 +305,47 @@ class AdaptiveController:
         return total
 
     # --- the choice --------------------------------------------------------------------------
-    def budgets(self, seqs: list[SequenceState], max_seq_len: int) -> list[int]:
+    def budgets(self, seqs: list[SequenceState], max_seq_len: int,
+                previews: list[list[int] | None] | None = None) -> list[int]:
+        previews = previews or [None] * len(seqs)
         forced = [s.request.num_draft_tokens for s in seqs]
-        free = [s for s, f in zip(seqs, forced) if s.drafter is not DrafterKind.NONE and f is None]
-        k_star = self.choose_k(free, len(seqs)) if free else 0
+        rows = [i for i, (s, f) in enumerate(zip(seqs, forced)) if s.drafter is not DrafterKind.NONE and f is None]
+        free = [seqs[i] for i in rows]
+        avail = [None if previews[i] is None else len(previews[i]) for i in rows]
+        k_star = self.choose_k(free, len(seqs), avail) if free else 0
         kinds = {s.drafter for s in free}
         self._predicted_draft = self._draft_model_cost(kinds, len(seqs), k_star) if k_star else 0.0
         out = []
-        for s, f in zip(seqs, forced):
+        self._previews = {s.seq_id: pv for s, pv in zip(seqs, previews) if pv}
+        for s, f, pv in zip(seqs, forced, previews):
             k = 0 if s.drafter is DrafterKind.NONE else (f if f is not None else k_star)
             limit = self.max_tree if s.drafter in self.tree_kinds else self.max_k
             out.append(min(k, limit, s.draft_room()))
+            if out[-1] == 0 and pv and s.seq_id not in self._shadow and s.drafter not in self.tree_kinds:
+                self._shadow[s.seq_id] = [list(pv[: self.max_k]), 0]
         return out
 
-    def choose_k(self, seqs: list[SequenceState], batch: int) -> int:
-        """argmax_k expected output tokens per second of the whole batch."""
+    def choose_k(self, seqs: list[SequenceState], batch: int, avail: list[int | None] | None = None) -> int:
+        """argmax_k expected output tokens per second of the whole batch (avail[i]: how many
+        tokens sequence i's free drafter can propose; None = as many as asked)."""
+        avail = avail or [None] * len(seqs)
         plain_rows = batch - len(seqs)
         kinds = {s.drafter for s in seqs}
+        trees = [s for s in seqs if s.drafter in self.tree_kinds]
+        chains = [(s, a) for s, a in zip(seqs, avail) if s.drafter not in self.tree_kinds]
+        chain_tokens = self._chain_tokens(chains)
+        # the widest row sets the verify width: rows of free drafters only as wide as their match
+        reach = max([self.max_tree] * bool(trees) + [self.max_k if a is None else a for _, a in chains])
         ks = set()                  # between tree sizes the yield is flat and the cost grows
         for kd in kinds:
             ks.update(self._tree_ks if kd in self.tree_kinds else self._chain_ks)
         draft_ratio = self._draft_ratio(batch)                  # once per step, not per k
         best_k, best = 0, -1.0
         for k in sorted(ks):
-            tokens = plain_rows + sum(self.expected_tokens(s, k) for s in seqs)
+            if k > reach:
+                break
+            tokens = (plain_rows + chain_tokens[min(k, self.max_k)]
+                      + sum(self.expected_tokens(s, k) for s in trees))
             rate = tokens / (self.verify_cost(batch, k + 1)
                              + self._draft_model_cost(kinds, batch, k) * draft_ratio)
             if k:
@@ -320,11 +354,28 @@ class AdaptiveController:
                 best_k, best = k, rate
         return best_k
 
+    def _chain_tokens(self, rows: list[tuple[SequenceState, int | None]]) -> np.ndarray:
+        """[max_k + 1]: expected tokens of all chain rows together, per budget k (one pass per
+        row; expected_tokens per row and per k cost ~1 ms a step at 16 rows)."""
+        total = np.zeros(self.max_k + 1)
+        ks = np.arange(self.max_k + 1)
+        priors: dict[DrafterKind, np.ndarray] = {}
+        for s, a in rows:
+            if s.drafter not in priors:
+                priors[s.drafter] = self._prior(s.drafter)
+            st = self._seq.get(s.seq_id)
+            alpha = priors[s.drafter] if st is None else st.alpha(priors[s.drafter], self.strength)
+            e = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(alpha))))
+            total += e[np.minimum(ks, self.max_k if a is None else min(a, self.max_k))]
+        return total
+
     def observe(self, seq: SequenceState, draft, verdict, batch: int, draft_s: float,
                 verify_s: float) -> None:
         depth = draft.tree.max_depth
         if depth == 0:
+            self._score_shadow(seq, verdict.output_ids)
             return
+        self._shadow.pop(seq.seq_id, None)             # a real draft supersedes the shadow
         if seq.drafter in self.tree_kinds:
             size = max((z for z in TREE_SIZES if z <= draft.num_draft_tokens), default=0)
             if size:
@@ -334,11 +385,42 @@ class AdaptiveController:
                 arms[size].update(verdict.num_accepted + 1)
                 self._arm(seq.drafter, size).update(verdict.num_accepted + 1)
             return
+        accepted, out = verdict.num_accepted, verdict.output_ids
+        pv = self._previews.get(seq.seq_id)
+        if (pv is not None and accepted == depth < len(pv) and len(out) > depth
+                and [int(t) for t in out[:depth]] == pv[:depth]):
+            # all accepted: the bonus token is the target's own next token, so it scores the
+            # free drafter's next token as a depth + 1 draft would have been (the same shadow
+            # argument), and k can grow past what it has been trying
+            accepted += int(out[depth]) == pv[depth]
+            depth += 1
+        self._record_chain(seq, depth, accepted)
+
+    def _record_chain(self, seq: SequenceState, depth: int, accepted: int) -> None:
         st = self._seq.setdefault(seq.seq_id, _Acceptance(self.max_k, self.decay))
         pool = self._pool.setdefault(seq.drafter, _Acceptance(self.max_k, 0.995))
         d = min(depth, self.max_k)
-        st.update(d, verdict.num_accepted)
-        pool.update(d, verdict.num_accepted)
+        st.update(d, accepted)
+        pool.update(d, accepted)
+
+    def _score_shadow(self, seq: SequenceState, emitted) -> None:
+        """A plain step emitted `emitted`: advance the row's shadow draft; once a token differs
+        or the whole chain has matched, record it as a chain verdict."""
+        sh = self._shadow.get(seq.seq_id)
+        if sh is None:
+            return
+        chain, matched = sh
+        for t in emitted:
+            if int(t) != chain[matched]:
+                break
+            matched += 1
+            if matched == len(chain):
+                break
+        else:
+            sh[1] = matched                             # all matched so far: keep watching
+            return
+        del self._shadow[seq.seq_id]
+        self._record_chain(seq, len(chain), matched)
 
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
@@ -353,6 +435,7 @@ class AdaptiveController:
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)
         self._seq_arms.pop(seq.seq_id, None)
+        self._shadow.pop(seq.seq_id, None)
 
     def corrections(self) -> dict[str, float]:
         """Live / build-time cost ratios as used (the `specdec_cost_correction` gauges):

@@ -126,7 +126,7 @@ class SpecDecoder:
     # --- the speculative step ------------------------------------------------------------------
     def step(self, seqs: list[SequenceState]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        budgets = self.controller.budgets(seqs, self.target.max_seq_len)
+        budgets = self.controller.budgets(seqs, self.target.max_seq_len, self._previews(seqs))
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
         ids, parents, index = _pack(drafts)
@@ -152,6 +152,18 @@ class SpecDecoder:
             out.step_draft_s, out.step_verify_s = t1 - t0, t2 - t1
             outputs.append(out)
         return outputs
+
+    def _previews(self, seqs: list[SequenceState]) -> list[list[int] | None] | None:
+        """What free drafters (prompt lookup) would propose at the largest budget, for a
+        controller that budgets with it; None per row where drafting costs a forward."""
+        if not self.controller.wants_previews:
+            return None
+        limit = self.spec.max_draft_tokens
+        out = []
+        for s in seqs:
+            d = self.drafters.get(s.drafter)
+            out.append(d.preview(s, limit) if d is not None else None)
+        return out
 
     def _propose(self, seqs: list[SequenceState], budgets: list[int]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(seqs)

@@ -27,6 +27,7 @@ def controller(cost: CostModel, alpha: float, n: int, kind=DrafterKind.PROMPT_LO
 
     class V:
         num_accepted = 0
+        output_ids = ()
     rng = np.random.default_rng(1)
     for _ in range(200):
         for s in seqs:
@@ -169,3 +170,83 @@ def test_speculative_cost_at_a_new_batch_size_leans_on_that_batch_sizes_plain_co
     assert abs(c.verify_cost(1, 5) / MEMORY_BOUND.verify(1, 5) - 1) < 0.05
     assert c.verify_cost(8, 5) / MEMORY_BOUND.verify(8, 5) > 2.0
     assert c.verify_cost(8, 1) / MEMORY_BOUND.verify(8, 1) > 2.0
+
+
+class _Plain:                     # a step without a draft
+    class tree:
+        max_depth = 0
+    num_draft_tokens = 0
+
+
+def test_free_drafter_rows_without_a_match_expect_one_token_and_do_not_widen_the_verify():
+    """Prompt lookup shows its proposal before the choice: no match anywhere means plain
+    decoding, a 2-token match caps k at 2, and at a batch where only one row of 16 has a match
+    the gain of that row alone must pay for the wider verify of all 16."""
+    c, seqs = controller(MEMORY_BOUND, alpha=0.9, n=16)
+    assert c.budgets(seqs, 4096, [[7] * 8] * 16)[0] >= 6
+    assert c.budgets(seqs, 4096, [[]] * 16) == [0] * 16
+    assert max(c.budgets(seqs, 4096, [[7, 8]] * 16)) == 2
+    cost = CostModel(GRID, [0.030 + 0.003 * m for m in GRID])     # 16 x 9 nodes: ~2.5 steps
+    c, seqs = controller(cost, alpha=0.9, n=16)
+    assert c.budgets(seqs, 4096, [[7] * 8] * 16)[0] > 0
+    assert c.budgets(seqs, 4096, [[7] * 8] + [[]] * 15)[0] == 0
+
+
+def test_shadow_drafts_let_a_locked_out_request_learn_its_text_turned_repetitive():
+    """After a bad spell the request's acceptance is low and it decodes plainly; the free
+    drafter's proposals are scored against what the plain steps emit, so once the text starts
+    repeating the estimate recovers and speculation resumes (with no draft it never would)."""
+    c, seqs = controller(MEMORY_BOUND, alpha=0.02, n=1)
+    s = seqs[0]
+    chain = [11, 12, 13, 14, 15, 16, 17, 18]
+    assert c.budgets([s], 4096, [chain]) == [0]
+    locked = c.alphas(s)[0]
+
+    class V:
+        num_accepted = 0
+        output_ids = None
+    steps = 0
+    while c.budgets([s], 4096, [chain]) == [0] and steps < 200:   # the text repeats: every
+        V.output_ids = [chain[steps % len(chain)]]                 # shadow fully matches
+        c.observe(s, _Plain, V, 1, 0.0, 0.0)
+        steps += 1
+    assert steps < 40, steps
+    assert c.budgets([s], 4096, [chain])[0] >= 4
+    assert c.alphas(s)[0] > locked
+
+    c, seqs = controller(MEMORY_BOUND, alpha=0.02, n=1)      # a shadow that misses at once
+    s = seqs[0]
+    before = c.alphas(s)[0]
+    for _ in range(5):
+        c.budgets([s], 4096, [chain])
+        V.output_ids = [99]
+        c.observe(s, _Plain, V, 1, 0.0, 0.0)
+    assert c.alphas(s)[0] <= before and c.budgets([s], 4096, [chain]) == [0]
+
+
+def test_a_fully_accepted_chain_scores_the_next_preview_token_with_the_bonus_token():
+    """k drafted and all accepted: the bonus token is the target's own next token, so it tells
+    whether depth k + 1 would have been accepted too; deeper depths are learned without ever
+    drafting them."""
+    c = AdaptiveController(SpecConfig(max_draft_tokens=8), MEMORY_BOUND)
+    s = seq(0)
+    chain = [11, 12, 13, 14, 15, 16, 17, 18]
+
+    class D:
+        class tree:
+            max_depth = 3
+        num_draft_tokens = 3
+
+    class V:
+        num_accepted = 3
+        output_ids = [11, 12, 13, 14]             # three accepted, the bonus matches depth 4
+    deep = c.alphas(s)[3]
+    for _ in range(5):
+        c.budgets([s], 4096, [chain])
+        c.observe(s, D, V, 1, 0.0, 0.0)
+    assert c.alphas(s)[3] > deep
+    V.output_ids = [11, 12, 13, 99]               # the bonus differs: depth 4 is a rejection
+    for _ in range(20):
+        c.budgets([s], 4096, [chain])
+        c.observe(s, D, V, 1, 0.0, 0.0)
+    assert c.alphas(s)[3] < deep

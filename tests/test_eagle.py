@@ -122,7 +122,7 @@ def test_eagle_state_survives_speculation_off_and_on(tiny):
     dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
     plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
     budgets = iter([6, 0, 0, 6, 0, 6, 6, 0] * 20)
-    dec.controller.budgets = lambda seqs, max_len: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, max_len, previews=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toggled = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
     assert [t for o in toggled for t in o.new_ids] == plain
     assert toggled[-1].stats.num_steps < 48 and toggled[-1].stats.num_draft_tokens > 0

@@ -1,7 +1,12 @@
 """Measure the cost model the adaptive controller uses (controller.CostModel): median time of one
 target forward over M = B*T new tokens at a typical context, the extra cost of each additional
 sequence in a batch, and the time of one draft-model step. Stored in the manifest at build time
-(`specdec build`), so a server starts with numbers measured on its own machine."""
+(`specdec build`), so a server starts with numbers measured on its own machine.
+
+The shapes are timed round-robin (one forward of each shape per round, medians over rounds), so
+a noisy spell on a shared machine lands on every shape alike instead of on whichever shape was
+being timed then: the controller uses ratios between shapes, and a single inflated shape used to
+decide whether a cold server speculates at all."""
 from __future__ import annotations
 
 import statistics
@@ -14,39 +19,59 @@ from backend.manifest import EngineManifest
 GRID = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _time_forward(rt, batch: int, t: int, context: int, reps: int, extra: dict | None = None) -> float:
-    rng = np.random.default_rng(0)
-    v = rt.config.vocab_size
-    ids = list(range(20_000, 20_000 + batch))
-    for sid in ids:
-        rt.alloc(sid)
-    ctx_extra = None
-    if extra:
-        ctx_extra = {k: np.zeros((batch, context) + a.shape[2:], a.dtype) for k, a in extra.items()}
-    rt.forward(ids, rng.integers(3, v, (batch, context)),
-               np.broadcast_to(np.arange(-1, context - 1, dtype=np.int32), (batch, context)).copy(),
-               np.full((batch, 1), context - 1), ctx_extra)
-    rt.commit(ids, [np.arange(context)] * batch)
-    parents = np.broadcast_to(np.arange(-1, t - 1, dtype=np.int32), (batch, t)).copy()
-    index = np.broadcast_to(np.arange(t), (batch, t)).copy()
-    times = []
-    for _ in range(reps + 1):
+class _Shape:
+    """`batch` sequences prefilled to `context` tokens, ready to time forwards of `t` new tokens
+    each (the new columns are dropped after every forward, so the context stays put)."""
+
+    def __init__(self, rt, batch: int, t: int, context: int, first_id: int, extra: dict | None = None):
+        self.rt, self.extra = rt, extra
+        self.rng = np.random.default_rng(first_id)
+        self.ids = list(range(first_id, first_id + batch))
+        for sid in self.ids:
+            rt.alloc(sid)
+        ctx_extra = None
+        if extra:
+            ctx_extra = {k: np.zeros((batch, context) + a.shape[2:], a.dtype) for k, a in extra.items()}
+        v = rt.config.vocab_size
+        rt.forward(self.ids, self.rng.integers(3, v, (batch, context)),
+                   np.broadcast_to(np.arange(-1, context - 1, dtype=np.int32), (batch, context)).copy(),
+                   np.full((batch, 1), context - 1), ctx_extra)
+        rt.commit(self.ids, [np.arange(context)] * batch)
+        self.tokens = (batch, t)
+        self.parents = np.broadcast_to(np.arange(-1, t - 1, dtype=np.int32), (batch, t)).copy()
+        self.index = np.broadcast_to(np.arange(t), (batch, t)).copy()
+        self.times: list[float] = []
+        self.time_one()                       # first forward of a shape allocates: not counted
+        self.times.clear()
+
+    def time_one(self) -> None:
+        ids = self.rng.integers(3, self.rt.config.vocab_size, self.tokens)
         t0 = time.perf_counter()
-        rt.forward(ids, rng.integers(3, v, (batch, t)), parents, index, extra)
-        times.append(time.perf_counter() - t0)
-        rt.commit(ids, [np.zeros(0, np.int64)] * batch)
-    for sid in ids:
-        rt.free(sid)
-    return statistics.median(times[1:])
+        self.rt.forward(self.ids, ids, self.parents, self.index, self.extra)
+        self.times.append(time.perf_counter() - t0)
+        self.rt.commit(self.ids, [np.zeros(0, np.int64)] * len(self.ids))
+
+    def close(self) -> float:
+        for sid in self.ids:
+            self.rt.free(sid)
+        return statistics.median(self.times)
 
 
-def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int = 5) -> dict:
+def _time_round_robin(shapes: list[_Shape], reps: int) -> list[float]:
+    for _ in range(reps):
+        for s in shapes:
+            s.time_one()
+    return [s.close() for s in shapes]
+
+
+def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int = 7) -> dict:
     from backend.engine import default_draft_model
     from backend.runtime import load_draft_runtime, load_runtime
 
     rt = load_runtime(manifest)
-    seconds = [_time_forward(rt, 1, m, context, reps) for m in GRID]
-    batched = _time_forward(rt, 4, 1, context, reps)
+    shapes = [_Shape(rt, 1, m, context, 20_000 + 10 * i) for i, m in enumerate(GRID)]
+    shapes.append(_Shape(rt, 4, 1, context, 30_000))
+    *seconds, batched = _time_round_robin(shapes, reps)
     rt.close()
     single4 = float(np.interp(4, GRID, seconds))
     per_seq = max(0.0, (batched - single4) / 3)
@@ -54,7 +79,7 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
     name = default_draft_model(manifest)
     if name is not None:
         drt = load_draft_runtime(manifest, name)
-        draft_step["draft-model"] = _time_forward(drt, 1, 1, context, reps)
+        draft_step["draft-model"], = _time_round_robin([_Shape(drt, 1, 1, context, 20_000)], reps)
         drt.close()
     if "eagle" in manifest.drafts:
         from backend.config import SpecConfig
@@ -63,7 +88,7 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
         spec = SpecConfig()
         head = EagleDrafter.from_manifest(manifest, spec).rt
         feats = {"features": np.zeros((1, spec.eagle_topk, manifest.model.hidden_size), np.float32)}
-        draft_step["eagle"] = _time_forward(head, 1, spec.eagle_topk, context, reps, feats)
+        draft_step["eagle"], = _time_round_robin([_Shape(head, 1, spec.eagle_topk, context, 20_000, feats)], reps)
         head.close()
     return {"tokens": list(GRID), "seconds": [round(s, 6) for s in seconds],
             "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step, "context": context}

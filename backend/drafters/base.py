@@ -49,6 +49,11 @@ class Drafter(Protocol):
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         """One Draft per sequence with at most max_tokens[i] drafted nodes."""
 
+    def preview(self, seq: SequenceState, limit: int) -> list[int] | None:
+        """Free drafters only (no forward, no state change): the chain propose() would start with,
+        up to `limit` tokens ([] = it has nothing to propose); None = drafting costs a forward.
+        The controller budgets with it and learns acceptance from it on plain steps."""
+
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes: np.ndarray,
                 hidden: np.ndarray | None) -> None:
         """Target verdict for a step: kept nodes (root first) and their features [n, H]."""

@@ -63,6 +63,9 @@ class DraftModelDrafter:
             self.rt.truncate(seq.seq_id, base + accepted_chain)
         self._fed[seq.seq_id] = base + accepted_chain
 
+    def preview(self, seq: SequenceState, limit: int) -> None:
+        return None                                  # drafting costs a forward
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         active = [i for i, k in enumerate(max_tokens) if k > 0]
         drafts = [Draft.empty(s.root) for s in seqs]

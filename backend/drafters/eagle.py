@@ -75,6 +75,9 @@ class EagleDrafter:
         self._pending.pop(seq.seq_id, None)
         self._fed.pop(seq.seq_id, None)
 
+    def preview(self, seq: SequenceState, limit: int) -> None:
+        return None                                  # drafting costs a forward
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         drafts = [Draft.empty(s.root) for s in seqs]
         rows = [i for i, k in enumerate(max_tokens) if k > 0]

@@ -72,6 +72,13 @@ class PromptLookupDrafter:
     def end(self, seq: SequenceState) -> None:
         self._index.pop(seq.seq_id, None)
 
+    def preview(self, seq: SequenceState, limit: int) -> list[int]:
+        """The longest, most recent match's continuation: what a chain proposal starts with."""
+        idx = self._index[seq.seq_id]
+        idx.extend(seq.all_ids()[len(idx.tokens):])
+        conts = idx.continuations(limit, 1) if limit > 0 else []
+        return conts[0] if conts else []
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         return [self._propose_one(s, k) for s, k in zip(seqs, max_tokens)]
 
