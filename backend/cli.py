@@ -221,6 +221,9 @@ def main(argv=None) -> int:
                    help="comma list of concurrent streams: benchmark against a real Triton server")
     p.add_argument("--rounds", type=int, default=2,
                    help="with --concurrency: minimum rounds per level; modes alternate ABC CBA so drift cancels")
+    p.add_argument("--control", action="store_true",
+                   help="with --concurrency: also run plain decoding a second time in every round "
+                        "(A/A control): its ratio to plain shows the noise of the run")
     p.add_argument("--sweep-k", default=None,
                    help="with --concurrency: other fixed K measured at n=1 (default 1,2,3,4,6,8; "
                         "tree sizes 2,4,8,12,16 for eagle)")

@@ -8,7 +8,9 @@ mode runs every round's requests, in the order plain, fixed, auto in even rounds
 in odd ones (ABC CBA), so a slow drift of the machine's speed cancels out of the ratios instead
 of landing on whichever mode ran last. Reports total output tokens per second across all
 streams (tokens / wall time, summed over rounds), TPOT and E[tau], each round's speedups (the
-spread shows the noise), and draws speedup vs concurrency (PNG).
+spread shows the noise), and draws speedup vs concurrency (PNG). With `--control`, a fourth mode
+runs plain decoding again in the same rounds (an A/A control): its ratio to plain is what the
+machine's noise alone reads, the yardstick for a 3% claim.
 """
 from __future__ import annotations
 
@@ -110,6 +112,9 @@ def main(args) -> dict:
     modes = {"plain": {**base, "drafter": "none"},
              "fixed": {**base, "drafter": drafter, "num_draft_tokens": 5},
              "auto": {**base, "drafter": drafter}}
+    main_modes = MODES + (("control",) if getattr(args, "control", False) else ())
+    if "control" in main_modes:
+        modes["control"] = modes["plain"]
     # at n=1 also every other fixed K (tree sizes for tree drafters), same rounds: is auto
     # within 5% of the best fixed K?
     sweep = str(getattr(args, "sweep_k", "") or
@@ -132,13 +137,13 @@ def main(args) -> dict:
         for mode in MODES:
             run_level(srv.grpc_url, list(kinds.values()), 1, modes[mode])
         for n in levels:
-            names = list(MODES) + ([f"k{k}" for k in sweep_ks] if n == 1 else [])
+            names = list(main_modes) + ([f"k{k}" for k in sweep_ks] if n == 1 else [])
             parts: dict[str, list[dict]] = {m: [] for m in names}
             for i, requests in enumerate(level_requests(prompts, n, rounds)):
                 for mode in (names if i % 2 == 0 else names[::-1]):     # ABC CBA: drift cancels
                     parts[mode].append(run_level(srv.grpc_url, requests, n, modes[mode]))
             row = {"n": n, "requests_per_mode": sum(len(p["results"]) for p in parts["plain"])}
-            for mode in MODES:
+            for mode in main_modes:
                 r = _combine(parts[mode])
                 row[f"{mode}_tokens_per_s"] = round(r["tokens_per_s"], 2)
                 row[f"{mode}_tpot_ms"] = round(r["tpot_ms"], 2)
@@ -148,7 +153,9 @@ def main(args) -> dict:
                     row[f"{mode}_errors"] = r["errors"][:3]
             row["fixed_speedup"] = round(row["fixed_tokens_per_s"] / row["plain_tokens_per_s"], 3)
             row["auto_speedup"] = round(row["auto_tokens_per_s"] / row["plain_tokens_per_s"], 3)
-            for mode in ("fixed", "auto"):
+            if "control" in main_modes:
+                row["control_speedup"] = round(row["control_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            for mode in main_modes[1:]:
                 row[f"{mode}_speedup_per_round"] = [round(a["tokens_per_s"] / p["tokens_per_s"], 3)
                                                     for a, p in zip(parts[mode], parts["plain"])]
             if n == 1 and sweep_ks:
@@ -168,9 +175,12 @@ def main(args) -> dict:
                   f"{row['fixed_mean_accepted_tokens']:.2f})  auto {row['auto_tokens_per_s']:7.1f} "
                   f"(x{row['auto_speedup']:.2f}, E[tau] {row['auto_mean_accepted_tokens']:.2f}, drafts/token "
                   f"{row['auto_draft_tokens_per_output_token']:.2f})  per round: fixed "
-                  f"{row['fixed_speedup_per_round']} auto {row['auto_speedup_per_round']}", flush=True)
+                  f"{row['fixed_speedup_per_round']} auto {row['auto_speedup_per_round']}"
+                  + (f"  A/A control x{row['control_speedup']:.2f} {row['control_speedup_per_round']}"
+                     if "control" in main_modes else ""), flush=True)
     result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "rounds": rounds, "order": "ABC CBA (plain, fixed, auto[, fixed K sweep at n=1]; reversed in odd rounds)",
+              "rounds": rounds, "order": "ABC CBA (plain, fixed, auto[, control][, fixed K sweep at n=1]; "
+                                          "reversed in odd rounds)",
               "concurrency": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -190,6 +200,9 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(n, [r["fixed_speedup"] for r in rows], marker="o", label="fixed K=5")
     ax.plot(n, [r["auto_speedup"] for r in rows], marker="s", label="auto (cost model + acceptance)")
+    if all("control_speedup" in r for r in rows):
+        ax.plot(n, [r["control_speedup"] for r in rows], marker="x", ls=":", color="gray",
+                label="plain again (A/A control: the noise)")
     ax.axhline(1.0, color="gray", lw=1, ls="--", label="plain decoding")
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(x) for x in n])
