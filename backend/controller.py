@@ -8,10 +8,14 @@ expected output tokens per second of the whole batch:
 
     E_i(k)   = 1 + sum_{j=1..k} prod_{d<=j} alpha_i[d]       expected tokens of sequence i
     time(k)  = verify(B, k + 1) + sum_i draft_i(k)            measured cost model
-    k*       = argmax_k  sum_i E_i(k) / time(k)               (k = 0 is plain decoding)
+    k*       = argmax_k  sum_i E_i(k) / time'(k)              (k = 0 is plain decoding)
+    time'(k) = time(0) + (1 + u) (time(k) - time(0))           priced with caution u = 0.25
 
-where any k > 0 must beat k = 0 by a margin (5%): the model's error on a live server is about
-that large, and a wrong bet on speculation costs more than a missed one gains.
+The extra cost of speculating is priced 25% above its prediction: the prediction's error on a
+live server grows with that extra cost (a wide verify at 8 streams, predicted 2.6-3.0 plain
+steps, measured 3.2-4.5; at one stream a 6-wide verify is 1.2-1.3 steps and off by a few
+percent), and a wrong bet on speculation costs more than a missed one gains. (A flat 5%
+margin on throughput, used before, was too little at 8-16 streams.)
 
 alpha_i[d] is the running probability that sequence i's depth-d draft token is accepted given
 depth d-1 was (decayed counts, with the drafter's pooled statistics as the prior). The cost
@@ -158,6 +162,8 @@ def _bbucket(batch: int) -> int:
     return next(i for i, b in enumerate(BATCH_BUCKETS) if batch <= b)
 
 
+SETTLE = 32                      # plain steps after a speculative one that pay for its garbage
+
 TREE_SIZES = (4, 8, 12, 16)      # tree budgets the controller chooses between (tree drafters)
 
 
@@ -185,20 +191,23 @@ class AdaptiveController:
     size in TREE_SIZES, per request, with the drafter's pooled yield as the prior (optimistic
     priors make untried sizes get tried; decay keeps adapting).
 
-    Free drafters (prompt lookup) show what they would propose before the choice (`previews`):
-    a row with no match expects one token whatever k is and does not widen the verify, and on
-    steps where its budget is 0 the preview is kept as a shadow draft and scored against the
-    tokens the row then emits. The emitted token equals a point-mass draft token with exactly
-    the probability that rejection sampling accepts it (p(x), greedy or sampled), so a shadow
-    is an unbiased acceptance observation at no cost, and a request whose text turns
-    repetitive after a bad spell is not locked out of speculation by its own estimate."""
+    Free drafters (prompt lookup) show what they would propose before the choice (`previews`,
+    up to max_k tokens): a row with no match expects one token whatever k is and does not widen
+    the verify. And every step's preview, whatever k was drafted of it (0 included), is scored
+    against the tokens the row goes on to emit, over as many steps as it takes to differ or to
+    run out: at each depth the emitted token equals a point-mass draft token x with exactly
+    the probability that rejection sampling accepts x (p(x), greedy or sampled; a rejected
+    x is never the recovered token), so this is an unbiased acceptance observation of the full
+    preview depth at no cost. A request whose text turns repetitive after a bad spell is not
+    locked out by its own estimate (k = 0 used to observe nothing), and depths beyond the k
+    it has been using are learned without drafting them."""
 
     wants_previews = True
 
     def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
-                 decay: float = 0.9, prior_strength: float = 2.0, margin: float = 0.05):
+                 decay: float = 0.9, prior_strength: float = 2.0, caution: float = 0.25):
         self.max_k = spec.max_draft_tokens
-        self.margin = margin          # speculate only for a predicted gain above the model's error
+        self.caution = caution        # the extra cost of speculation is priced this much higher
         self.max_tree = spec.max_tree_nodes
         self.eagle_depth = spec.eagle_depth
         self.cost = cost
@@ -209,7 +218,7 @@ class AdaptiveController:
         self._pool: dict[DrafterKind, _Acceptance] = {}
         self._arms: dict[tuple[DrafterKind, int], _Arm] = {}      # pooled over requests
         self._seq_arms: dict[int, dict[int, _Arm]] = {}            # per request, pooled prior
-        self._shadow: dict[int, list] = {}                         # seq id -> [chain, matched]
+        self._tracked: dict[int, list[list]] = {}                  # seq id -> [[preview, matched]]
         self._previews: dict[int, list[int]] = {}                  # this step's, per seq id
         # measured / modelled verify time per (batch band, width band), and draft time per batch
         # band; a speculative band with few observations leans on the plain ratio of the same
@@ -217,6 +226,7 @@ class AdaptiveController:
         # make every forward dearer than the build's B=1 model)
         self._corr = [[_Ratio() for _ in WIDTH_BUCKETS] for _ in BATCH_BUCKETS]
         self._draft_corr = [_Ratio() for _ in BATCH_BUCKETS]
+        self._pending: dict[int, list] = {}    # batch band -> [width band, s, predicted s, steps]
         self._now = 0                                          # steps observed
         self._predicted_draft = 0.0                           # of the step just budgeted
         self._chain_ks = tuple(range(self.max_k + 1))          # candidate budgets per drafter kind
@@ -317,12 +327,10 @@ class AdaptiveController:
         self._predicted_draft = self._draft_model_cost(kinds, len(seqs), k_star) if k_star else 0.0
         out = []
         self._previews = {s.seq_id: pv for s, pv in zip(seqs, previews) if pv}
-        for s, f, pv in zip(seqs, forced, previews):
+        for s, f in zip(seqs, forced):
             k = 0 if s.drafter is DrafterKind.NONE else (f if f is not None else k_star)
             limit = self.max_tree if s.drafter in self.tree_kinds else self.max_k
             out.append(min(k, limit, s.draft_room()))
-            if out[-1] == 0 and pv and s.seq_id not in self._shadow and s.drafter not in self.tree_kinds:
-                self._shadow[s.seq_id] = [list(pv[: self.max_k]), 0]
         return out
 
     def choose_k(self, seqs: list[SequenceState], batch: int, avail: list[int | None] | None = None) -> int:
@@ -340,16 +348,15 @@ class AdaptiveController:
         for kd in kinds:
             ks.update(self._tree_ks if kd in self.tree_kinds else self._chain_ks)
         draft_ratio = self._draft_ratio(batch)                  # once per step, not per k
+        plain_cost = self.verify_cost(batch, 1)
         best_k, best = 0, -1.0
         for k in sorted(ks):
             if k > reach:
                 break
             tokens = (plain_rows + chain_tokens[min(k, self.max_k)]
                       + sum(self.expected_tokens(s, k) for s in trees))
-            rate = tokens / (self.verify_cost(batch, k + 1)
-                             + self._draft_model_cost(kinds, batch, k) * draft_ratio)
-            if k:
-                rate /= 1 + self.margin
+            cost = self.verify_cost(batch, k + 1) + self._draft_model_cost(kinds, batch, k) * draft_ratio
+            rate = tokens / (plain_cost + (1 + self.caution) * (cost - plain_cost))
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
         return best_k
@@ -372,29 +379,20 @@ class AdaptiveController:
     def observe(self, seq: SequenceState, draft, verdict, batch: int, draft_s: float,
                 verify_s: float) -> None:
         depth = draft.tree.max_depth
-        if depth == 0:
-            self._score_shadow(seq, verdict.output_ids)
-            return
-        self._shadow.pop(seq.seq_id, None)             # a real draft supersedes the shadow
         if seq.drafter in self.tree_kinds:
             size = max((z for z in TREE_SIZES if z <= draft.num_draft_tokens), default=0)
-            if size:
+            if depth and size:
                 arms = self._seq_arms.setdefault(seq.seq_id, {})
                 if size not in arms:
                     arms[size] = _Arm(prior=self._tree_yield(seq, size), decay=0.9, strength=2.0)
                 arms[size].update(verdict.num_accepted + 1)
                 self._arm(seq.drafter, size).update(verdict.num_accepted + 1)
             return
-        accepted, out = verdict.num_accepted, verdict.output_ids
         pv = self._previews.get(seq.seq_id)
-        if (pv is not None and accepted == depth < len(pv) and len(out) > depth
-                and [int(t) for t in out[:depth]] == pv[:depth]):
-            # all accepted: the bonus token is the target's own next token, so it scores the
-            # free drafter's next token as a depth + 1 draft would have been (the same shadow
-            # argument), and k can grow past what it has been trying
-            accepted += int(out[depth]) == pv[depth]
-            depth += 1
-        self._record_chain(seq, depth, accepted)
+        if pv is not None or seq.seq_id in self._tracked:
+            self._track(seq, pv, verdict.output_ids)      # free drafter: score its previews
+        elif depth:
+            self._record_chain(seq, depth, verdict.num_accepted)
 
     def _record_chain(self, seq: SequenceState, depth: int, accepted: int) -> None:
         st = self._seq.setdefault(seq.seq_id, _Acceptance(self.max_k, self.decay))
@@ -403,39 +401,72 @@ class AdaptiveController:
         st.update(d, accepted)
         pool.update(d, accepted)
 
-    def _score_shadow(self, seq: SequenceState, emitted) -> None:
-        """A plain step emitted `emitted`: advance the row's shadow draft; once a token differs
-        or the whole chain has matched, record it as a chain verdict."""
-        sh = self._shadow.get(seq.seq_id)
-        if sh is None:
-            return
-        chain, matched = sh
-        for t in emitted:
-            if int(t) != chain[matched]:
-                break
-            matched += 1
-            if matched == len(chain):
-                break
-        else:
-            sh[1] = matched                             # all matched so far: keep watching
-            return
-        del self._shadow[seq.seq_id]
-        self._record_chain(seq, len(chain), matched)
+    def _track(self, seq: SequenceState, preview: list[int] | None, emitted) -> None:
+        """The row emitted `emitted` this step: open a tracker for this step's preview, advance
+        every open tracker along the emitted tokens, and record each one whose preview has
+        differed from the text or run out as a chain verdict (depth = preview length)."""
+        trackers = self._tracked.pop(seq.seq_id, [])
+        if preview:
+            trackers.append([preview, 0])
+        emitted = [int(t) for t in emitted]
+        still = []
+        for tr in trackers:
+            chain, m = tr
+            for t in emitted:
+                if t != chain[m]:
+                    break
+                m += 1
+                if m == len(chain):
+                    break
+            else:
+                tr[1] = m                                 # all matched so far: keep watching
+                still.append(tr)
+                continue
+            self._record_chain(seq, len(chain), m)
+        if still:
+            self._tracked[seq.seq_id] = still
 
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
         """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
-        commit): update the correction of its class."""
+        commit): update the correction of its class.
+
+        A speculative step leaves garbage columns (rejected and padding nodes) in every row of
+        the batch, until compaction copies them out; the plain steps after it are dearer, and
+        the copy lands on whichever step triggers it. Measured at 8 streams: plain steps
+        between speculative ones ran ~1.25x a plain step of a plain batch, so the plain ratio
+        learned there made a 6-wide verify look 2.6x a plain step where it cost 3.2x. So a
+        plain step's excess over a clean plain step, for SETTLE steps after a speculative step
+        of its batch band, is charged to that speculative step, and the plain ratio learns
+        from clean steps only."""
         self._now += 1
         predicted = self.cost.verify(batch, width)
-        if predicted > 0 and verify_s > 0:
-            self._corr[_bbucket(batch)][_bucket(width)].update(verify_s / predicted, self._now)
-        if width > 1 and self._predicted_draft > 0 and draft_s > 0:
-            self._draft_corr[_bbucket(batch)].update(draft_s / self._predicted_draft, self._now)
+        if predicted <= 0 or verify_s <= 0:
+            return
+        bi = _bbucket(batch)
+        if width > 1:
+            self._settle(bi)
+            self._pending[bi] = [_bucket(width), verify_s, predicted, 0]
+            if self._predicted_draft > 0 and draft_s > 0:
+                self._draft_corr[bi].update(draft_s / self._predicted_draft, self._now)
+            return
+        p = self._pending.get(bi)
+        if p is None:
+            self._corr[bi][0].update(verify_s / predicted, self._now)      # a clean plain step
+            return
+        p[1] += verify_s - predicted * self._corr[bi][0].value(self._now)   # the garbage's cost
+        p[3] += 1
+        if p[3] >= SETTLE:
+            self._settle(bi)
+
+    def _settle(self, bi: int) -> None:
+        p = self._pending.pop(bi, None)
+        if p is not None:
+            self._corr[bi][p[0]].update(p[1] / p[2], self._now)
 
     def forget(self, seq: SequenceState) -> None:
         self._seq.pop(seq.seq_id, None)
         self._seq_arms.pop(seq.seq_id, None)
-        self._shadow.pop(seq.seq_id, None)
+        self._tracked.pop(seq.seq_id, None)
 
     def corrections(self) -> dict[str, float]:
         """Live / build-time cost ratios as used (the `specdec_cost_correction` gauges):
