@@ -432,9 +432,10 @@ class AdaptiveController:
 
         A speculative step leaves garbage columns (rejected and padding nodes) in every row of
         the batch, until compaction copies them out; the plain steps after it are dearer, and
-        the copy lands on whichever step triggers it. Measured at 8 streams: plain steps
-        between speculative ones ran ~1.25x a plain step of a plain batch, so the plain ratio
-        learned there made a 6-wide verify look 2.6x a plain step where it cost 3.2x. So a
+        the copy lands on whichever step triggers it. Measured on a fixed batch of 8 (three
+        noisy runs): plain steps between speculative ones took 67-105 ms against 48-60 ms in a
+        plain batch, and the plain ratio learned there made a 6-wide verify look 2.6x a plain
+        step where it cost 3.2x. So a
         plain step's excess over a clean plain step, for SETTLE steps after a speculative step
         of its batch band, is charged to that speculative step, and the plain ratio learns
         from clean steps only."""
