@@ -52,7 +52,7 @@ class Drafter(Protocol):
     def preview(self, seq: SequenceState, limit: int) -> list[int] | None:
         """Free drafters only (no forward, no state change): the chain propose() would start with,
         up to `limit` tokens ([] = it has nothing to propose); None = drafting costs a forward.
-        The controller budgets with it and learns acceptance from it on plain steps."""
+        The controller budgets with it and scores it against the text that follows."""
 
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes: np.ndarray,
                 hidden: np.ndarray | None) -> None:
