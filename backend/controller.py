@@ -239,27 +239,28 @@ class AdaptiveController:
             return np.full(self.max_k, 0.5)
         return pool.alpha(np.full(self.max_k, 0.5), 4.0)
 
-    def alphas(self, seq: SequenceState) -> np.ndarray:
+    def alphas(self, seq: SequenceState, prior: np.ndarray | None = None) -> np.ndarray:
         st = self._seq.get(seq.seq_id)
-        prior = self._prior(seq.drafter)
+        prior = self._prior(seq.drafter) if prior is None else prior
         return prior if st is None else st.alpha(prior, self.strength)
+
+    def _chain_curve(self, seq: SequenceState, prior: np.ndarray | None = None) -> np.ndarray:
+        """[max_k + 1]: expected tokens of a chain sequence's step, per budget k = 0..max_k."""
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(self.alphas(seq, prior)))))
 
     def _arm(self, kind: DrafterKind, size: int) -> _Arm:
         if (kind, size) not in self._arms:
             self._arms[(kind, size)] = _Arm(prior=1.0 + 3.0 * (1 - np.exp(-size / 6.0)))
         return self._arms[(kind, size)]
 
-    def expected_tokens(self, seq: SequenceState, k: int, available: int | None = None) -> float:
-        """E[tokens emitted in one step] for sequence `seq` with a draft budget of k (of which
-        a free drafter can fill `available`)."""
-        if available is not None:
-            k = min(k, available)
+    def expected_tokens(self, seq: SequenceState, k: int) -> float:
+        """E[tokens emitted in one step] for sequence `seq` with a draft budget of k."""
         if k <= 0 or seq.drafter is DrafterKind.NONE:
             return 1.0
         if seq.drafter in self.tree_kinds:
             size = max((z for z in TREE_SIZES if z <= min(k, self.max_tree)), default=0)
             return self._tree_yield(seq, size) if size else 1.0
-        return 1.0 + float(np.cumprod(self.alphas(seq)[: min(k, self.max_k)]).sum())
+        return float(self._chain_curve(seq)[min(k, self.max_k)])
 
     @staticmethod
     def _bounded(arm: _Arm, smaller: list[_Arm]) -> float:
@@ -362,18 +363,17 @@ class AdaptiveController:
         return best_k
 
     def _chain_tokens(self, rows: list[tuple[SequenceState, int | None]]) -> np.ndarray:
-        """[max_k + 1]: expected tokens of all chain rows together, per budget k (one pass per
-        row; expected_tokens per row and per k cost ~1 ms a step at 16 rows)."""
+        """[max_k + 1]: expected tokens of all chain rows together, per budget k, a row capped at
+        what its free drafter can propose (one curve per row and one prior per drafter kind:
+        expected_tokens per row and per k cost ~1 ms a step at 16 rows)."""
         total = np.zeros(self.max_k + 1)
         ks = np.arange(self.max_k + 1)
         priors: dict[DrafterKind, np.ndarray] = {}
         for s, a in rows:
             if s.drafter not in priors:
                 priors[s.drafter] = self._prior(s.drafter)
-            st = self._seq.get(s.seq_id)
-            alpha = priors[s.drafter] if st is None else st.alpha(priors[s.drafter], self.strength)
-            e = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(alpha))))
-            total += e[np.minimum(ks, self.max_k if a is None else min(a, self.max_k))]
+            cap = self.max_k if a is None else min(a, self.max_k)
+            total += self._chain_curve(s, priors[s.drafter])[np.minimum(ks, cap)]
         return total
 
     def observe(self, seq: SequenceState, draft, verdict, batch: int, draft_s: float,

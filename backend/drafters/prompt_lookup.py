@@ -56,6 +56,7 @@ class PromptLookupDrafter:
         assert 1 <= min_ngram <= max_ngram, (min_ngram, max_ngram)
         self.min_n, self.max_n, self.width = min_ngram, max_ngram, max(1, width)
         self._index: dict[int, _Index] = {}
+        self._preview: dict[int, tuple[int, int, list[int]]] = {}   # seq -> (tokens, limit, chain)
 
     def check_params(self, params: SamplingParams) -> None:
         return None                                  # point-mass drafts: lossless for all
@@ -71,13 +72,16 @@ class PromptLookupDrafter:
 
     def end(self, seq: SequenceState) -> None:
         self._index.pop(seq.seq_id, None)
+        self._preview.pop(seq.seq_id, None)
 
     def preview(self, seq: SequenceState, limit: int) -> list[int]:
         """The longest, most recent match's continuation: what a chain proposal starts with."""
         idx = self._index[seq.seq_id]
         idx.extend(seq.all_ids()[len(idx.tokens):])
         conts = idx.continuations(limit, 1) if limit > 0 else []
-        return conts[0] if conts else []
+        chain = conts[0] if conts else []
+        self._preview[seq.seq_id] = (len(idx.tokens), limit, chain)
+        return chain
 
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         return [self._propose_one(s, k) for s, k in zip(seqs, max_tokens)]
@@ -87,7 +91,11 @@ class PromptLookupDrafter:
         idx.extend(seq.all_ids()[len(idx.tokens):])   # tokens emitted since the last observe
         if budget <= 0:
             return Draft.empty(seq.root)
-        conts = idx.continuations(budget, self.width)
+        seen = self._preview.get(seq.seq_id)
+        if self.width == 1 and seen is not None and seen[0] == len(idx.tokens) and budget <= seen[1]:
+            conts = [seen[2][:budget]] if seen[2] else []     # this step's preview: same match
+        else:
+            conts = idx.continuations(budget, self.width)
         if not conts:
             return Draft.empty(seq.root)
         # trie under the root; the best continuation keeps most of the budget
