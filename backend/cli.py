@@ -68,9 +68,9 @@ def _prompts(path: str) -> list[dict]:
 
 def cmd_bench(args) -> int:
     if args.concurrency:
-        from backend.bench import concurrency_bench
+        from backend.bench import concurrency_bench, paired_bench
 
-        concurrency_bench.main(args)
+        (paired_bench if args.paired else concurrency_bench).main(args)
         return 0
     from backend.bench import spec_bench
     from backend.config import ServeConfig, SpecConfig
@@ -224,6 +224,10 @@ def main(argv=None) -> int:
     p.add_argument("--control", action="store_true",
                    help="with --concurrency: also run plain decoding a second time in every round "
                         "(A/A control): its ratio to plain shows the noise of the run")
+    p.add_argument("--paired", action="store_true",
+                   help="with --concurrency: run the modes time-sliced in this process (one scheduler "
+                        "iteration each in turn) instead of one after another on Triton, so the "
+                        "machine's drift cancels out of their ratios; the control always runs")
     p.add_argument("--sweep-k", default=None,
                    help="with --concurrency: other fixed K measured at n=1 (default 1,2,3,4,6,8; "
                         "tree sizes 2,4,8,12,16 for eagle)")

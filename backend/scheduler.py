@@ -47,7 +47,7 @@ class _Entry:
 
 class Scheduler:
     def __init__(self, decoder: SpecDecoder, max_batch: int = 32, metrics=None,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, start: bool = True):
         self.decoder = decoder
         self.max_batch = max_batch
         self.metrics = metrics
@@ -60,7 +60,8 @@ class Scheduler:
         self.steps = 0
         self.batch_hist: collections.Counter = collections.Counter()   # batch size -> steps
         self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
-        self._thread.start()
+        if start:                 # start=False: the caller drives iterate() (the paired bench)
+            self._thread.start()
 
     # --- called from request threads ---------------------------------------------------------
     def submit(self, request: Request, sink: Sink, key: str = "") -> None:
@@ -73,9 +74,13 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self._active) + len(self._prefilling)
 
+    def has_work(self) -> bool:
+        return bool(self._active or self._prefilling or not self._incoming.empty())
+
     def close(self) -> None:
         self._running = False
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         for e in list(self._prefilling) + self._active:
             self._finish(e, cancelled=True)
 
@@ -83,14 +88,19 @@ class Scheduler:
     def _run(self) -> None:
         while self._running:
             try:
-                self._admit(block=not (self._active or self._prefilling))
-                self._drop_cancelled()
-                if self._prefilling:
-                    self._prefill_one()
-                if self._active:
-                    self._step()
+                self.iterate(block=True)
             except Exception:                                   # never let the loop die
                 log.exception("scheduler loop error")
+
+    def iterate(self, block: bool = False) -> None:
+        """One loop iteration: admit new requests (waiting up to idle_wait_s for one if `block`
+        and nothing is running), drop cancelled ones, one prompt chunk, one decoding step."""
+        self._admit(block=block and not (self._active or self._prefilling))
+        self._drop_cancelled()
+        if self._prefilling:
+            self._prefill_one()
+        if self._active:
+            self._step()
 
     def _admit(self, block: bool) -> None:
         try:

@@ -208,7 +208,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(n, [str(x) for x in n])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("throughput / plain throughput")
-    ax.set_title(f"specdec on Triton, drafter {result['drafter']}, {result['max_new_tokens']} new tokens")
+    where = "modes time-sliced in one process" if "method" in result else "on Triton"
+    ax.set_title(f"specdec {where}: {result['drafter']}, {result['max_new_tokens']} tokens")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

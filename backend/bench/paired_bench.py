@@ -1,0 +1,231 @@
+"""`specdec bench --concurrency 1,2,4,... --paired`: the modes time-sliced in one process.
+
+The Triton bench (concurrency_bench) runs the modes one after another; on a shared 2-core VM the
+machine's own speed drifts by ±10% from one minute to the next (identical plain rounds in one
+process read 88-106 tok/s), and no number of rounds that fits in an hour resolves a 3% claim per
+level. Here every mode has its own continuous-batching scheduler and its own n closed-loop
+client streams, all in this process, and one driver runs ONE scheduler iteration (admit, at most
+one prompt chunk, one batched step) of each mode in turn, in a fresh random order each cycle. A
+mode's throughput is its output tokens over the time of its own iterations. The modes therefore
+meet the machine's slow and fast spells alike, tens of milliseconds apart, and the drift cancels
+out of their ratios. `control` (plain decoding again) reads what remains.
+
+What it measures is the engine under the server's batching policy (the same Scheduler and
+decoder the Triton model runs), without Triton's per-response cost. That cost is per streamed
+response, and a speculative step streams one response for several tokens, so leaving it out is
+conservative for speculation. Plain, the control and auto each get a decoder of their own (the
+adaptive controller learns from auto's steps only, as in a server that serves auto traffic, and
+the control also reads any difference between two loaded copies of the engines); the fixed-K
+modes share a fourth (their choices do not depend on the controller's estimates).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from backend.bench.concurrency_bench import level_requests, plot
+
+
+def _serve_config(repo: Path):
+    """ServeConfig as the Triton model builds it, from config.pbtxt's parameters."""
+    from backend.triton_glue import serve_config
+
+    text = (repo / "specdec" / "config.pbtxt").read_text()
+    params = {k: {"string_value": v} for k, v in
+              re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)}
+    return serve_config({"model_config": json.dumps({"parameters": params}),
+                         "model_repository": str(repo / "specdec")})
+
+
+class _Sink:
+    __slots__ = ("done", "tokens", "stats", "failed")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.tokens, self.stats, self.failed = 0, None, None
+
+    def send(self, out) -> None:
+        self.tokens, self.stats = out.num_output_tokens, out.stats
+
+    def error(self, exc, internal) -> None:
+        self.failed = f"{type(exc).__name__}: {exc}"
+
+    def cancelled(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.done.set()
+
+
+class _Mode:
+    """One mode at one level: a scheduler, n client threads, and its own accumulated time."""
+
+    def __init__(self, name, decoder, max_batch, make_request, prompts, n):
+        from backend.scheduler import Scheduler
+
+        self.name = name
+        self.sched = Scheduler(decoder, max_batch, start=False)
+        self.work: queue.Queue = queue.Queue()
+        for p in prompts:
+            self.work.put(p)
+        self.make_request = make_request
+        self.busy_s, self.iterations = 0.0, 0
+        self.results: list[tuple[int, object]] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
+
+    def _client(self) -> None:
+        while True:
+            try:
+                p = self.work.get_nowait()
+            except queue.Empty:
+                return
+            sink = _Sink()
+            self.sched.submit(self.make_request(p), sink)
+            sink.done.wait()
+            with self.lock:
+                if sink.failed:
+                    self.errors.append(sink.failed)
+                else:
+                    self.results.append((sink.tokens, sink.stats))
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def row(self) -> dict:
+        tokens = sum(t for t, _ in self.results)
+        taus = [s.mean_accepted_tokens for _, s in self.results if s is not None]
+        drafts = sum(s.num_draft_tokens for _, s in self.results if s is not None)
+        return {"tokens": tokens, "busy_s": self.busy_s, "tokens_per_s": tokens / self.busy_s,
+                "step_ms": 1000 * self.busy_s / max(1, self.iterations),
+                "mean_accepted_tokens": float(np.mean(taus)) if taus else 1.0,
+                "draft_tokens_per_output_token": drafts / max(1, tokens)}
+
+
+def run_level(modes: list[_Mode], seed: int) -> None:
+    """Drive the modes' schedulers one iteration each, in a random order per cycle, until every
+    client has finished; each iteration's time is charged to its mode."""
+    rng = np.random.default_rng(seed)
+    for m in modes:
+        for t in m.threads:
+            t.start()
+    live = list(modes)
+    while live:
+        did = False
+        for i in rng.permutation(len(live)):
+            m = live[i]
+            if not m.sched.has_work():
+                continue
+            t0 = time.perf_counter()
+            m.sched.iterate(block=False)
+            m.busy_s += time.perf_counter() - t0
+            m.iterations += 1
+            did = True
+        if not did:
+            live = [m for m in live if m.running() or m.sched.has_work()]
+            time.sleep(0.0005)        # clients are resubmitting (they need the GIL) or done
+    for m in modes:
+        m.sched.close()
+
+
+def main(args) -> dict:
+    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.cli import _prompts
+    from backend.config import DrafterKind, SamplingParams
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    levels = [int(x) for x in str(args.concurrency).split(",")]
+    rounds = max(1, int(getattr(args, "rounds", 2)))
+    prompts = _prompts(args.prompts)
+    drafter = args.drafter.partition(":")[0]
+    repo = Path(args.model_repository)
+    if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
+        raise SystemExit(f"no engines in {repo}: run `specdec build` first")
+    cfg = _serve_config(repo)
+    # a decoder each for plain, the control and auto (so the A/A control also reads any
+    # difference between two loaded copies of the same engines, and the adaptive controller
+    # learns from auto's steps only); the fixed-K modes share one (fixed K needs no estimates)
+    dec = {m: make_decoder(cfg) for m in ("plain", "control", "auto", "fixed")}
+    tok = dec["plain"].tok
+    ids = {}
+
+    def request_maker(kind: str, k: int | None):
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+
+        def make(p):
+            key = json.dumps(p["messages"])
+            if key not in ids:
+                ids[key] = tuple(tok.encode(tok.apply_chat_template(p["messages"])))
+            return Request(ids[key], params, DrafterKind(kind), k)
+        return make
+
+    specs = {"plain": (dec["plain"], "none", None), "fixed": (dec["fixed"], drafter, 5),
+             "auto": (dec["auto"], drafter, None), "control": (dec["control"], "none", None)}
+    sweep = str(getattr(args, "sweep_k", "") or
+                ("2,4,8,12,16" if drafter in ("eagle", "lookup+eagle") else "1,2,3,4,6,8"))
+    sweep_ks = [int(k) for k in sweep.split(",") if k.strip() and int(k) != 5]
+    for k in sweep_ks:
+        specs[f"k{k}"] = (dec["fixed"], drafter, k)
+    main_modes = ["plain", "fixed", "auto", "control"]
+
+    def modes_for(names, reqs, n):
+        return [_Mode(m, specs[m][0], cfg.max_batch, request_maker(specs[m][1], specs[m][2]), reqs, n)
+                for m in names]
+
+    # warm-up, not measured: ORT's first-call allocations, the controller's first estimates
+    kinds = list({p.get("kind"): p for p in prompts}.values())
+    run_level(modes_for(["plain", "fixed", "auto", "control"], kinds, 1), seed=0)
+    rows = []
+    for n in levels:
+        reqs = [p for r in level_requests(prompts, n, rounds) for p in r]
+        names = main_modes + ([f"k{k}" for k in sweep_ks] if n == 1 else [])
+        modes = modes_for(names, reqs, n)
+        t0 = time.perf_counter()
+        run_level(modes, seed=n)
+        wall = time.perf_counter() - t0
+        failed = [f"{m.name}: {e}" for m in modes for e in m.errors]
+        if failed:
+            raise SystemExit(f"n={n}: {len(failed)} request(s) failed, e.g. {failed[0]}")
+        res = {m.name: m.row() for m in modes}
+        row = {"n": n, "requests_per_mode": len(reqs), "wall_s": round(wall, 1)}
+        for m in main_modes:
+            r = res[m]
+            row[f"{m}_tokens_per_s"] = round(r["tokens_per_s"], 2)
+            row[f"{m}_output_tokens"] = r["tokens"]
+            row[f"{m}_step_ms"] = round(r["step_ms"], 2)
+            row[f"{m}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
+            row[f"{m}_draft_tokens_per_output_token"] = round(r["draft_tokens_per_output_token"], 3)
+        for m in ("fixed", "auto", "control"):
+            row[f"{m}_speedup"] = round(row[f"{m}_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+        if n == 1 and sweep_ks:
+            fixed = {5: row["fixed_speedup"]}
+            for k in sweep_ks:
+                fixed[k] = round(res[f"k{k}"]["tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            best = max(fixed, key=fixed.get)
+            row["fixed_k_speedup"] = {str(k): fixed[k] for k in sorted(fixed)}
+            row["best_fixed_k"], row["best_fixed_speedup"] = best, fixed[best]
+            row["auto_vs_best_fixed"] = round(row["auto_speedup"] / fixed[best], 3)
+            print(f"n=1   fixed K sweep {row['fixed_k_speedup']}: best K={best} "
+                  f"x{fixed[best]:.2f}; auto / best fixed = {row['auto_vs_best_fixed']:.3f}", flush=True)
+        rows.append(row)
+        print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 x{row['fixed_speedup']:.3f} "
+              f"(E[tau] {row['fixed_mean_accepted_tokens']:.2f})  auto x{row['auto_speedup']:.3f} (E[tau] "
+              f"{row['auto_mean_accepted_tokens']:.2f}, drafts/token {row['auto_draft_tokens_per_output_token']:.2f})"
+              f"  A/A control x{row['control_speedup']:.3f}  [{wall:.0f} s]", flush=True)
+    result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "method": "paired: the modes time-sliced in one process, one scheduler iteration each in "
+                        "random order per cycle; tokens per second of each mode's own iteration time",
+              "concurrency": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return result
