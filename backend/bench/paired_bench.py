@@ -14,9 +14,10 @@ What it measures is the engine under the server's batching policy (the same Sche
 decoder the Triton model runs), without Triton's per-response cost. That cost is per streamed
 response, and a speculative step streams one response for several tokens, so leaving it out is
 conservative for speculation. Plain, the control and auto each get a decoder of their own (the
-adaptive controller learns from auto's steps only, as in a server that serves auto traffic, and
-the control also reads any difference between two loaded copies of the engines); the fixed-K
-modes share a fourth (their choices do not depend on the controller's estimates).
+adaptive controller learns from auto's steps only, as in a server that serves auto traffic); the
+fixed-K modes share a fourth (their choices do not depend on the controller's estimates). All
+four share one ORT session per engine file, so they differ in state, not in where their weights
+lie in memory.
 """
 from __future__ import annotations
 
@@ -140,6 +141,7 @@ def main(args) -> dict:
     from backend.cli import _prompts
     from backend.config import DrafterKind, SamplingParams
     from backend.engine import make_decoder
+    from backend.runtime.ort import shared_sessions
     from backend.sequence import Request
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
@@ -153,7 +155,10 @@ def main(args) -> dict:
     # a decoder each for plain, the control and auto (so the A/A control also reads any
     # difference between two loaded copies of the same engines, and the adaptive controller
     # learns from auto's steps only); the fixed-K modes share one (fixed K needs no estimates)
-    dec = {m: make_decoder(cfg) for m in ("plain", "control", "auto", "fixed")}
+    # ... all sharing one ORT session per engine file: two loaded copies of the weights can
+    # differ in speed by ~2% (memory placement), which is not what the control should read
+    with shared_sessions():
+        dec = {m: make_decoder(cfg) for m in ("plain", "control", "auto", "fixed")}
     tok = dec["plain"].tok
     ids = {}
 
