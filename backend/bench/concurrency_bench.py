@@ -86,6 +86,26 @@ def level_requests(prompts: list[dict], n: int, rounds: int) -> list[list[dict]]
     return [cycled[r * per_round:(r + 1) * per_round] for r in range(rounds)]
 
 
+def sweep_k_list(args, drafter: str) -> list[int]:
+    """The other fixed K measured at n=1 (`--sweep-k`; tree sizes for tree drafters), 5 aside."""
+    sweep = str(getattr(args, "sweep_k", "") or
+                ("2,4,8,12,16" if drafter in ("eagle", "lookup+eagle") else "1,2,3,4,6,8"))
+    return [int(k) for k in sweep.split(",") if k.strip() and int(k) != 5]
+
+
+def add_best_fixed(row: dict, sweep_tokens_per_s: dict[int, float]) -> None:
+    """Add the n=1 sweep to `row`: each fixed K's speedup, the best one, and auto / best."""
+    fixed = {5: row["fixed_speedup"]}
+    for k, tps in sweep_tokens_per_s.items():
+        fixed[k] = round(tps / row["plain_tokens_per_s"], 3)
+    best = max(fixed, key=fixed.get)
+    row["fixed_k_speedup"] = {str(k): fixed[k] for k in sorted(fixed)}
+    row["best_fixed_k"], row["best_fixed_speedup"] = best, fixed[best]
+    row["auto_vs_best_fixed"] = round(row["auto_speedup"] / fixed[best], 3)
+    print(f"n=1   fixed K sweep {row['fixed_k_speedup']}: best K={best} "
+          f"x{fixed[best]:.2f}; auto / best fixed = {row['auto_vs_best_fixed']:.3f}", flush=True)
+
+
 def _combine(parts: list[dict]) -> dict:
     results = [r for p in parts for r in p["results"]]
     tokens = sum(p["tokens"] for p in parts)
@@ -117,9 +137,7 @@ def main(args) -> dict:
         modes["control"] = modes["plain"]
     # at n=1 also every other fixed K (tree sizes for tree drafters), same rounds: is auto
     # within 5% of the best fixed K?
-    sweep = str(getattr(args, "sweep_k", "") or
-                ("2,4,8,12,16" if drafter in ("eagle", "lookup+eagle") else "1,2,3,4,6,8"))
-    sweep_ks = [int(k) for k in sweep.split(",") if k.strip() and int(k) != 5]
+    sweep_ks = sweep_k_list(args, drafter)
     for k in sweep_ks:
         modes[f"k{k}"] = {**base, "drafter": drafter, "num_draft_tokens": k}
     repo = Path(args.model_repository)
@@ -159,16 +177,7 @@ def main(args) -> dict:
                 row[f"{mode}_speedup_per_round"] = [round(a["tokens_per_s"] / p["tokens_per_s"], 3)
                                                     for a, p in zip(parts[mode], parts["plain"])]
             if n == 1 and sweep_ks:
-                fixed = {5: row["fixed_speedup"]}
-                for k in sweep_ks:
-                    r = _combine(parts[f"k{k}"])
-                    fixed[k] = round(r["tokens_per_s"] / row["plain_tokens_per_s"], 3)
-                best = max(fixed, key=fixed.get)
-                row["fixed_k_speedup"] = {str(k): fixed[k] for k in sorted(fixed)}
-                row["best_fixed_k"], row["best_fixed_speedup"] = best, fixed[best]
-                row["auto_vs_best_fixed"] = round(row["auto_speedup"] / fixed[best], 3)
-                print(f"n=1   fixed K sweep {row['fixed_k_speedup']}: best K={best} "
-                      f"x{fixed[best]:.2f}; auto / best fixed = {row['auto_vs_best_fixed']:.3f}", flush=True)
+                add_best_fixed(row, {k: _combine(parts[f"k{k}"])["tokens_per_s"] for k in sweep_ks})
             rows.append(row)
             print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 "
                   f"{row['fixed_tokens_per_s']:7.1f} (x{row['fixed_speedup']:.2f}, E[tau] "

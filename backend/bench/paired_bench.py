@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.bench.concurrency_bench import level_requests, plot
+from backend.bench.concurrency_bench import add_best_fixed, level_requests, plot, sweep_k_list
 
 
 def _serve_config(repo: Path):
@@ -174,9 +174,7 @@ def main(args) -> dict:
 
     specs = {"plain": (dec["plain"], "none", None), "fixed": (dec["fixed"], drafter, 5),
              "auto": (dec["auto"], drafter, None), "control": (dec["control"], "none", None)}
-    sweep = str(getattr(args, "sweep_k", "") or
-                ("2,4,8,12,16" if drafter in ("eagle", "lookup+eagle") else "1,2,3,4,6,8"))
-    sweep_ks = [int(k) for k in sweep.split(",") if k.strip() and int(k) != 5]
+    sweep_ks = sweep_k_list(args, drafter)
     for k in sweep_ks:
         specs[f"k{k}"] = (dec["fixed"], drafter, k)
     main_modes = ["plain", "fixed", "auto", "control"]
@@ -211,15 +209,7 @@ def main(args) -> dict:
         for m in ("fixed", "auto", "control"):
             row[f"{m}_speedup"] = round(row[f"{m}_tokens_per_s"] / row["plain_tokens_per_s"], 3)
         if n == 1 and sweep_ks:
-            fixed = {5: row["fixed_speedup"]}
-            for k in sweep_ks:
-                fixed[k] = round(res[f"k{k}"]["tokens_per_s"] / row["plain_tokens_per_s"], 3)
-            best = max(fixed, key=fixed.get)
-            row["fixed_k_speedup"] = {str(k): fixed[k] for k in sorted(fixed)}
-            row["best_fixed_k"], row["best_fixed_speedup"] = best, fixed[best]
-            row["auto_vs_best_fixed"] = round(row["auto_speedup"] / fixed[best], 3)
-            print(f"n=1   fixed K sweep {row['fixed_k_speedup']}: best K={best} "
-                  f"x{fixed[best]:.2f}; auto / best fixed = {row['auto_vs_best_fixed']:.3f}", flush=True)
+            add_best_fixed(row, {k: res[f"k{k}"]["tokens_per_s"] for k in sweep_ks})
         rows.append(row)
         print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 x{row['fixed_speedup']:.3f} "
               f"(E[tau] {row['fixed_mean_accepted_tokens']:.2f})  auto x{row['auto_speedup']:.3f} (E[tau] "
