@@ -126,7 +126,8 @@ class SpecDecoder:
     # --- the speculative step ------------------------------------------------------------------
     def step(self, seqs: list[SequenceState]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        budgets = self.controller.budgets(seqs, self.target.max_seq_len, self._previews(seqs))
+        budgets = self.controller.budgets(seqs, self.target.max_seq_len, self._previews(seqs),
+                                          self._backlogs(seqs))
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
         ids, parents, index = _pack(drafts)
@@ -163,6 +164,16 @@ class SpecDecoder:
         for s in seqs:
             d = self.drafters.get(s.drafter)
             out.append(d.preview(s, limit) if d is not None else None)
+        return out
+
+    def _backlogs(self, seqs: list[SequenceState]) -> list[int] | None:
+        """Per row, what its drafter must catch up on before drafting (controllers that price it)."""
+        if not self.controller.wants_previews:
+            return None
+        out = []
+        for s in seqs:
+            d = self.drafters.get(s.drafter)
+            out.append(d.backlog(s) if d is not None else 0)
         return out
 
     def _propose(self, seqs: list[SequenceState], budgets: list[int]) -> list[Draft]:

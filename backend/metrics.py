@@ -23,6 +23,8 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
   specdec_cost_correction{part}                   gauge, live / build-time cost ratio the adaptive
                                                   controller uses: verify_t{width band}_b{batch band}
                                                   (verify_t2-5_b8-15, ...) and draft_b{batch band};
+                                                  fresh_yield_{drafter}: share of the pooled tree
+                                                  yield a request's first tree is expected to get;
                                                   published every 64 steps
 """
 from __future__ import annotations

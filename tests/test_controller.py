@@ -121,7 +121,8 @@ def test_measured_verify_times_correct_the_build_time_cost_model():
     assert c.budgets(seqs, 4096)[0] == 0
     corr = c.corrections()                               # what the metrics gauges show
     assert corr["verify_t2-5_b1"] > 2.0 and corr["verify_t6-9_b1"] > 2.0 and abs(corr["verify_t1_b1"] - 1) < 0.01
-    assert len(corr) == 6 * 6 and "draft_b32+" in corr and "verify_t14+_b16-31" in corr
+    assert len(corr) == 6 * 6 + 1 and "draft_b32+" in corr and "verify_t14+_b16-31" in corr
+    assert corr["fresh_yield_eagle"] == 1.0                 # no first tree measured yet
     for _ in range(1500):                                # plain steps only: the stale speculative
         c.observe_step(1, 1, 0.0, MEMORY_BOUND.verify(1, 1))   # correction fades back to the model
     assert c.budgets(seqs, 4096)[0] >= 3
@@ -155,9 +156,72 @@ def test_tree_yield_is_per_request_with_the_pool_as_prior():
         c.observe(chat, D, V, 1, 0.0, 0.0)          # the chat request: 1 token per step
     assert c.budgets([edit], 4096)[0] > 0
     assert c.budgets([chat], 4096)[0] == 0
-    assert c.expected_tokens(fresh, 4) == c._arm_yield(DrafterKind.EAGLE, 4)   # pooled prior
+    pooled = 1 + c._fresh_ratio(DrafterKind.EAGLE) * (c._arm_yield(DrafterKind.EAGLE, 4) - 1)
+    assert c.expected_tokens(fresh, 4) == pooled                  # the pool, as first trees bore it out
     c.forget(chat)
-    assert c.expected_tokens(chat, 4) == c._arm_yield(DrafterKind.EAGLE, 4)
+    assert c.expected_tokens(chat, 4) == pooled
+
+
+class _Tree4:                     # an EAGLE tree of 4 nodes, depth 3
+    class tree:
+        max_depth = 3
+    num_draft_tokens = 4
+
+
+def test_fresh_requests_trust_the_pool_only_as_far_as_first_trees_bore_it_out():
+    """The pool learns mostly from requests that kept drafting because they drafted well; when
+    first trees keep falling short of it, a request that has not drafted yet does not draft on
+    its word (a request with its own good record still does), and the evidence fades with time,
+    so fresh requests are tried again later."""
+    cost = CostModel(GRID, [0.030 + 0.008 * m for m in GRID])    # a 5-wide verify: 1.8 steps
+    c = AdaptiveController(SpecConfig(max_tree_nodes=16), cost)
+
+    class V:
+        num_accepted = 3
+    edit = seq(0, DrafterKind.EAGLE)
+    for _ in range(40):
+        c.observe(edit, _Tree4, V, 1, 0.0, 0.0)                 # 4 tokens per tree
+    assert c.budgets([seq(99, DrafterKind.EAGLE)], 4096)[0] > 0
+    V.num_accepted = 0
+    for i in range(10):                                         # ten chat requests: first tree, 1 token
+        chat = seq(1 + i, DrafterKind.EAGLE)
+        c.observe(chat, _Tree4, V, 1, 0.0, 0.0)
+        c.forget(chat)
+    assert c._fresh_ratio(DrafterKind.EAGLE) < 0.35
+    assert c.budgets([seq(99, DrafterKind.EAGLE)], 4096)[0] == 0
+    assert c.budgets([edit], 4096)[0] > 0
+    for _ in range(6000):                                       # plain steps: the evidence fades
+        c.observe_step(1, 1, 0.0, cost.verify(1, 1))
+    assert c._fresh_ratio(DrafterKind.EAGLE) > 0.6
+    assert c.budgets([seq(99, DrafterKind.EAGLE)], 4096)[0] > 0
+
+
+def test_catch_up_is_priced_and_spread_over_the_measured_drafting_runs():
+    """A drafter with a model must first feed it what it has not seen (the whole prompt, the
+    first time). That one-off cost is spread over the drafting run it buys: with short runs a
+    long backlog keeps a request plain, with long runs the same backlog is worth paying."""
+    cost = CostModel(GRID, [0.030 + 0.003 * m for m in GRID], catch_up_s={"eagle": 0.0005})
+    c = AdaptiveController(SpecConfig(max_tree_nodes=16), cost)
+    for size, tokens in ((4, 2.0), (8, 2.6), (12, 3.0), (16, 3.2)):
+        for _ in range(100):
+            c._arm(DrafterKind.EAGLE, size).update(tokens)
+    s = seq(0, DrafterKind.EAGLE)
+    assert c.budgets([s], 4096, None, [2])[0] > 0           # caught up: drafting pays
+    assert c.budgets([s], 4096, None, [250])[0] == 0        # 125 ms over a run of ~4 steps: not
+    assert c.budgets([s], 4096)[0] > 0                      # (nothing to catch up on: drafts)
+
+    class V:
+        num_accepted = 1                                    # 2 tokens: as the pool says
+    for i in range(8):                                      # requests that draft 60 steps in a row
+        r = seq(10 + i, DrafterKind.EAGLE)
+        for _ in range(60):
+            c.observe(r, _Tree4, V, 1, 0.0, 0.0)
+        c.observe(r, _Plain, V, 1, 0.0, 0.0)
+        c.forget(r)
+    assert c._run_mean(DrafterKind.EAGLE) > 30
+    assert c.budgets([s], 4096, None, [250])[0] > 0         # the same catch-up, spread over ~50 steps
+    assert cost.catch_up(DrafterKind.EAGLE, 2, 100) == 0.0005 * 200        # rows padded to the longest
+    assert c._catch_up_cost([s, seq(1, DrafterKind.EAGLE)], [100, 3]) == cost.catch_up(DrafterKind.EAGLE, 2, 100)
 
 
 def test_speculative_cost_at_a_new_batch_size_leans_on_that_batch_sizes_plain_cost():

@@ -80,7 +80,7 @@ def test_draft_model_state_survives_speculation_off_and_on():
     """Budgets 4, 0, 0, 4, ...: the draft's KV must stay in sync (acceptance must not collapse)."""
     dec = make(k=4)
     budgets = iter([4, 0, 0, 4, 0, 4, 4, 0] * 10)
-    dec.controller.budgets = lambda seqs, max_len, previews=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toks, outs = run(dec, DrafterKind.DRAFT_MODEL, SamplingParams(max_tokens=60))
     plain, _ = run(make(), DrafterKind.NONE, SamplingParams(max_tokens=60))
     assert toks == plain

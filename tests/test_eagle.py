@@ -122,7 +122,43 @@ def test_eagle_state_survives_speculation_off_and_on(tiny):
     dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
     plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
     budgets = iter([6, 0, 0, 6, 0, 6, 6, 0] * 20)
-    dec.controller.budgets = lambda seqs, max_len, previews=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toggled = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
     assert [t for o in toggled for t in o.new_ids] == plain
     assert toggled[-1].stats.num_steps < 48 and toggled[-1].stats.num_draft_tokens > 0
+
+
+def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
+    """The head reports its backlog (the prompt, then one feature per step it did not draft,
+    then what the last verify kept); the decoder hands it to an adaptive controller; the build
+    times the head as it drafts and prices each catch-up token."""
+    from backend.build.costs import measure_cost_model
+    from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
+    from backend.controller import AdaptiveController, CostModel
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    m, _ = tiny
+    cm = measure_cost_model(m, context=32, reps=2)
+    assert cm["draft_step_s"]["eagle"] > 0
+    assert cm["catch_up_s"]["eagle"] >= 0 and cm["catch_up_s"]["lookup+eagle"] == cm["catch_up_s"]["eagle"]
+    assert CostModel.from_json(cm).catch_up_s == cm["catch_up_s"]
+
+    spec = SpecConfig(max_tree_nodes=6, eagle_depth=3, eagle_topk=3)
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
+    dec.controller = AdaptiveController(spec, CostModel.from_json(cm))
+    head = dec.drafters[DrafterKind.EAGLE]
+    prompt = tuple(np.random.default_rng(3).integers(3, m.model.vocab_size, 20).tolist())
+    s = dec.start(Request(prompt, SamplingParams(max_tokens=16, ignore_eos=True), DrafterKind.EAGLE))
+    while dec.prefill(s) is None:
+        pass
+    assert head.backlog(s) == len(prompt)
+    seen, budget = [], [0]
+    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: (
+        seen.append(backlogs) or [budget[0]] * len(seqs))
+    dec.step([s])
+    assert seen == [[len(prompt)]] and head.backlog(s) == len(prompt) + 1
+    budget[0] = 6
+    out = dec.step([s])[0]
+    assert seen[-1] == [len(prompt) + 1] and head.backlog(s) == out.step_accepted + 1
+    dec.finish(s)

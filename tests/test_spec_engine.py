@@ -108,7 +108,7 @@ def test_eagle_acceptance_survives_speculation_off_and_on(built_repo, prompts, p
     dec = decoder(built_repo, num_draft_tokens=12)
     always = generate(dec, prompts[0], DrafterKind.EAGLE)
     budgets = iter([12, 0, 0, 12, 0, 12, 12, 0] * 20)
-    dec.controller.budgets = lambda seqs, max_len, previews=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toggled = generate(dec, prompts[0], DrafterKind.EAGLE)
     assert toggled[0] == plain[0]
 

@@ -3,6 +3,12 @@ target forward over M = B*T new tokens at a typical context, the extra cost of e
 sequence in a batch, and the time of one draft-model step. Stored in the manifest at build time
 (`specdec build`), so a server starts with numbers measured on its own machine.
 
+Drafters with a model of their own also pay a catch-up: before drafting, the model is fed every
+token it has not seen (the whole prompt, the first time; the steps it did not draft, after a
+plain spell). Its price per backlog token is `catch_up_s`. The EAGLE head is timed as the
+drafter runs it (catch-up, tree forwards and the tree search in Python, which took as long as
+the head's forwards: a bare-forward model under-priced a step by ~2x), at the largest tree.
+
 The shapes are timed round-robin (one forward of each shape per round, medians over rounds), so
 a noisy spell on a shared machine lands on every shape alike instead of on whichever shape was
 being timed then: the controller uses ratios between shapes, and a single inflated shape used to
@@ -57,6 +63,51 @@ class _Shape:
         return statistics.median(self.times)
 
 
+class _TimingSeq:
+    """What a drafter reads of a sequence: id, prompt, output, root."""
+
+    def __init__(self, seq_id: int, prompt: list[int]):
+        self.seq_id, self.prompt_ids, self.output_ids = seq_id, tuple(prompt), [prompt[-1]]
+
+    def all_ids(self) -> list[int]:
+        return list(self.prompt_ids) + self.output_ids
+
+    @property
+    def root(self) -> int:
+        return self.output_ids[-1]
+
+
+def _time_eagle(manifest: EngineManifest, context: int, reps: int, steps: int = 6) -> tuple[float, float]:
+    """-> (seconds of a drafting step per tree depth, seconds per catch-up token): the head's
+    propose() at the largest tree, once right after a `context`-token prompt (the catch-up over
+    all of it) and then `steps` times one token later; medians over `reps` sequences."""
+    from backend.config import SpecConfig
+    from backend.drafters.eagle import EagleDrafter
+
+    spec = SpecConfig()
+    drafter = EagleDrafter.from_manifest(manifest, spec)
+    rng = np.random.default_rng(0)
+    v, h = manifest.model.vocab_size, manifest.model.hidden_size
+    budget = spec.max_tree_nodes
+    first, steady = [], []
+    for r in range(reps + 1):                   # the first sequence warms up: not counted
+        seq = _TimingSeq(40_000 + r, rng.integers(3, v, context).tolist())
+        drafter.begin(seq, rng.standard_normal((context, h)).astype(np.float32))
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            draft, = drafter.propose([seq], [budget])
+            dt = time.perf_counter() - t0
+            if r:
+                (steady if i else first).append(dt)
+            drafter.observe(seq, draft, np.array([0]), rng.standard_normal((1, h)).astype(np.float32))
+            seq.output_ids.append(int(draft.tokens[-1]))
+        drafter.end(seq)
+    drafter.rt.close()
+    step = statistics.median(steady)
+    per_depth = step / min(spec.eagle_depth, budget)
+    return per_depth, max(0.0, (statistics.median(first) - step) / (context - 1))
+
+
 def _time_round_robin(shapes: list[_Shape], reps: int) -> list[float]:
     for _ in range(reps):
         for s in shapes:
@@ -76,19 +127,18 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
     single4 = float(np.interp(4, GRID, seconds))
     per_seq = max(0.0, (batched - single4) / 3)
     draft_step = {"prompt-lookup": 0.0}
+    catch_up = {}
     name = default_draft_model(manifest)
     if name is not None:
         drt = load_draft_runtime(manifest, name)
-        draft_step["draft-model"], = _time_round_robin([_Shape(drt, 1, 1, context, 20_000)], reps)
+        one, whole = _time_round_robin([_Shape(drt, 1, 1, context, 20_000),
+                                        _Shape(drt, 1, context, context, 20_010)], reps)
         drt.close()
+        draft_step["draft-model"] = one
+        catch_up["draft-model"] = max(0.0, (whole - one) / (context - 1))
     if "eagle" in manifest.drafts:
-        from backend.config import SpecConfig
-        from backend.drafters.eagle import EagleDrafter
-
-        spec = SpecConfig()
-        head = EagleDrafter.from_manifest(manifest, spec).rt
-        feats = {"features": np.zeros((1, spec.eagle_topk, manifest.model.hidden_size), np.float32)}
-        draft_step["eagle"], = _time_round_robin([_Shape(head, 1, spec.eagle_topk, context, 20_000, feats)], reps)
-        head.close()
+        draft_step["eagle"], catch_up["eagle"] = _time_eagle(manifest, context, reps)
+        catch_up["lookup+eagle"] = catch_up["eagle"]
     return {"tokens": list(GRID), "seconds": [round(s, 6) for s in seconds],
-            "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step, "context": context}
+            "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step,
+            "catch_up_s": {k: round(c, 8) for k, c in catch_up.items()}, "context": context}

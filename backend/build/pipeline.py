@@ -123,7 +123,9 @@ def build(cfg: BuildConfig) -> EngineManifest:
         manifest = manifest.with_updates(cost_model=measure_cost_model(manifest))
         manifest.save(engine_dir)
         log(f"cost model measured in {time.time() - t0:.1f}s: forward ms at M=1..64: "
-            f"{[round(1000 * s, 1) for s in manifest.cost_model['seconds']]}")
+            f"{[round(1000 * s, 1) for s in manifest.cost_model['seconds']]}; draft ms per step "
+            f"{ {k: round(1000 * v, 2) for k, v in manifest.cost_model['draft_step_s'].items()} }; "
+            f"catch-up ms per token { {k: round(1000 * v, 3) for k, v in manifest.cost_model['catch_up_s'].items()} }")
     written = fill_repository(Path(cfg.output), template_values(manifest, cfg))
     _summary(manifest, engine_dir, written, timings, time.time() - t_start, log)
     return EngineManifest.load(engine_dir)

@@ -54,6 +54,11 @@ class Drafter(Protocol):
         up to `limit` tokens ([] = it has nothing to propose); None = drafting costs a forward.
         The controller budgets with it and scores it against the text that follows."""
 
+    def backlog(self, seq: SequenceState) -> int:
+        """Tokens the next propose() must feed its own model before drafting (the catch-up over
+        the prompt and the steps it did not draft; 0 for drafters without a model). The
+        controller prices it: a first draft after a long prompt costs a forward over all of it."""
+
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes: np.ndarray,
                 hidden: np.ndarray | None) -> None:
         """Target verdict for a step: kept nodes (root first) and their features [n, H]."""

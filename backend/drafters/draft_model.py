@@ -66,6 +66,9 @@ class DraftModelDrafter:
     def preview(self, seq: SequenceState, limit: int) -> None:
         return None                                  # drafting costs a forward
 
+    def backlog(self, seq: SequenceState) -> int:
+        return len(seq.prompt_ids) + len(seq.output_ids) - self._fed.get(seq.seq_id, 0)
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         active = [i for i, k in enumerate(max_tokens) if k > 0]
         drafts = [Draft.empty(s.root) for s in seqs]

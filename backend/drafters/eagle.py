@@ -78,6 +78,10 @@ class EagleDrafter:
     def preview(self, seq: SequenceState, limit: int) -> None:
         return None                                  # drafting costs a forward
 
+    def backlog(self, seq: SequenceState) -> int:
+        # pending features = committed tokens the head has not seen (catch-up asserts it)
+        return len(seq.prompt_ids) + len(seq.output_ids) - 1 - self._fed.get(seq.seq_id, 0)
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         drafts = [Draft.empty(s.root) for s in seqs]
         rows = [i for i, k in enumerate(max_tokens) if k > 0]

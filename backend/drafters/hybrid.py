@@ -31,6 +31,9 @@ class LookupEagleDrafter:
     def preview(self, seq: SequenceState, limit: int) -> None:
         return None                                  # drafting costs a forward
 
+    def backlog(self, seq: SequenceState) -> int:
+        return self.eagle.backlog(seq)
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         drafts = self.lookup.propose(seqs, [min(k, self.max_lookup) for k in max_tokens])
         rest = [i for i, (d, k) in enumerate(zip(drafts, max_tokens)) if d.num_draft_tokens == 0 and k > 0]

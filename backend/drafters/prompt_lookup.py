@@ -83,6 +83,9 @@ class PromptLookupDrafter:
         self._preview[seq.seq_id] = (len(idx.tokens), limit, chain)
         return chain
 
+    def backlog(self, seq: SequenceState) -> int:
+        return 0                                     # no model: nothing to catch up
+
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[Draft]:
         return [self._propose_one(s, k) for s, k in zip(seqs, max_tokens)]
 
