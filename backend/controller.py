@@ -54,6 +54,7 @@ from backend.sequence import SequenceState
 
 class FixedController:
     wants_previews = False
+    wants_backlogs = False
 
     def __init__(self, spec: SpecConfig, default_k: int = 4):
         self.k = spec.num_draft_tokens if spec.num_draft_tokens is not None else default_k
@@ -223,6 +224,7 @@ class AdaptiveController:
     it has been using are learned without drafting them."""
 
     wants_previews = True
+    wants_backlogs = True
 
     def __init__(self, spec: SpecConfig, cost: CostModel, tree_kinds: frozenset = frozenset({DrafterKind.EAGLE}),
                  decay: float = 0.9, prior_strength: float = 2.0, caution: float = 0.25):

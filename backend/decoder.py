@@ -168,7 +168,7 @@ class SpecDecoder:
 
     def _backlogs(self, seqs: list[SequenceState]) -> list[int] | None:
         """Per row, what its drafter must catch up on before drafting (controllers that price it)."""
-        if not self.controller.wants_previews:
+        if not self.controller.wants_backlogs:
             return None
         out = []
         for s in seqs:

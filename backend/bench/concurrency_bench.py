@@ -191,6 +191,11 @@ def main(args) -> dict:
               "rounds": rounds, "order": "ABC CBA (plain, fixed, auto[, control][, fixed K sweep at n=1]; "
                                           "reversed in odd rounds)",
               "concurrency": rows}
+    return write_result(result, args)
+
+
+def write_result(result: dict, args) -> dict:
+    """Write a load bench's result where --json and --plot ask (both benches)."""
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:

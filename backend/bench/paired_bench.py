@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.bench.concurrency_bench import add_best_fixed, level_requests, plot, sweep_k_list
+from backend.bench.concurrency_bench import add_best_fixed, level_requests, sweep_k_list, write_result
 
 
 def _serve_config(repo: Path):
@@ -219,8 +219,4 @@ def main(args) -> dict:
               "method": "paired: the modes time-sliced in one process, one scheduler iteration each in "
                         "random order per cycle; tokens per second of each mode's own iteration time",
               "concurrency": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, Path(args.plot))
-    return result
+    return write_result(result, args)
