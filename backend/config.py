@@ -2,7 +2,8 @@
 
 Config flows one way: CLI -> BuildConfig (build/pipeline.py) -> EngineManifest -> ServeConfig.
 Request parameters are plain Python scalars, converted once at the Triton boundary
-(triton_io.py) and validated here. Client mistakes raise `RequestError`, which names the field
+(triton_io.py) and validated once (sequence.validate_request, which calls
+SamplingParams.validate). Client mistakes raise `RequestError`, which names the field
 and is mapped to Triton INVALID_ARG.
 """
 from __future__ import annotations
@@ -87,11 +88,18 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeOptions:
+    """How a server runs its engines; every runtime it loads (target and drafts) gets the same."""
+
+    threads: int | None = None              # CPU threads (None: SPECDEC_THREADS or min(2, cores))
+    spinning: bool = True                   # CPU threads spin between forwards
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     engine_dir: str
     weight_format: str | None = None
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_batch: int = 32                     # sequences verified in one forward
     prefill_chunk: int = 512
-    threads: int | None = None
-    spinning: bool = True
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)

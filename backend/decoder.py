@@ -14,28 +14,30 @@ Knows: the algorithm's order of operations. Does not know: ONNX, Triton, tensors
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
 
-from backend.config import DrafterKind, RequestError, SpecConfig
+from backend.config import DrafterKind, SpecConfig
+from backend.controller import Controller, FixedController
 from backend.drafters.base import Draft, Drafter
 from backend.kv_cache import PAD_PARENT
 from backend.runtime.base import Runtime
-from backend.sampling import sample, target_probs
-from backend.sequence import Request, SequenceState, StepOutput, TextState
+from backend.sampling import PositionNoise, target_token
+from backend.sequence import (Request, RequestLimits, SequenceState, StepOutput, TextState,
+                              validate_request)
 from backend.stats import SpecStats
 from backend.tokenizer import Tokenizer
-from backend.verify import Noise, verify_tree
+from backend.verify import verify_tree
 
 
 class SpecDecoder:
     def __init__(self, target: Runtime, tokenizer: Tokenizer, drafters: dict[DrafterKind, Drafter],
-                 spec: SpecConfig = SpecConfig(), controller=None, prefill_chunk: int = 512):
-        from backend.controller import FixedController
-
+                 spec: SpecConfig = SpecConfig(), controller: Controller | None = None,
+                 prefill_chunk: int = 512):
         self.target = target
         self.tok = tokenizer
         self.drafters = drafters
@@ -50,32 +52,20 @@ class SpecDecoder:
         self.controller = controller or FixedController(spec)
         self.prefill_chunk = prefill_chunk
         self.vocab = target.config.vocab_size
+        self.limits = RequestLimits(target.max_seq_len, {k: d.traits.max_budget for k, d in drafters.items()})
         self.stats = SpecStats()                      # aggregate over finished steps
         self._ids = itertools.count()
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self, request: Request) -> SequenceState:
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise RequestError("text_input", "empty prompt")
-        if n >= self.target.max_seq_len:
-            raise RequestError("text_input", f"prompt has {n} tokens; the engine's maximum sequence "
-                                             f"length is {self.target.max_seq_len}")
-        request.params.validate()
         kind = self.spec.resolve(request.drafter)
+        validate_request(request, self.limits, kind)
         if kind is not DrafterKind.NONE:
-            if kind not in self.drafters:
-                raise RequestError("drafter", f"{kind.value!r} is not available on this server "
-                                              f"(available: none, {', '.join(k.value for k in self.drafters)})")
             self.drafters[kind].check_params(request.params)
-        tree = kind in (DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE)
-        limit = self.spec.max_tree_nodes if tree else self.spec.max_draft_tokens
-        if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= limit:
-            raise RequestError("num_draft_tokens", f"must be in [0, {limit}] for drafter {kind.value}, "
-                                                   f"got {request.num_draft_tokens}")
         p = request.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tok.eos_token_ids))
-        seq = SequenceState(next(self._ids), request, kind, np.random.default_rng(p.seed),
+        seed = p.seed if p.seed is not None else secrets.randbits(64)
+        seq = SequenceState(next(self._ids), request, kind, PositionNoise(seed, self.vocab),
                             frozenset(stop_ids), TextState(self.tok, p.stop_strings),
                             max_total_len=self.target.max_seq_len)
         self.target.alloc(seq.seq_id)
@@ -90,14 +80,14 @@ class SpecDecoder:
                                   np.array([[t - 1]]))
         self.target.commit([seq.seq_id], [np.arange(t)])
         drafter = self.drafters.get(seq.drafter)
-        if drafter is not None and drafter.needs_hidden:
+        if drafter is not None and drafter.traits.needs_hidden:
             h = out.hidden[0].copy()
             seq.prompt_hidden = h if seq.prompt_hidden is None else np.concatenate([seq.prompt_hidden, h])
         seq.prefilled += t
         if seq.prefilled < ids.size:
             return None
-        p = target_probs(out.logits[0, -1], seq.params)
-        first = int(np.argmax(p)) if seq.params.greedy else sample(p, seq.rng.standard_exponential(self.vocab))
+        first = target_token(out.logits[0, -1], seq.params,
+                             None if seq.params.greedy else seq.position_noise(0))
         if drafter is not None:
             drafter.begin(seq, seq.prompt_hidden)
             seq.prompt_hidden = None
@@ -126,15 +116,13 @@ class SpecDecoder:
     # --- the speculative step ------------------------------------------------------------------
     def step(self, seqs: list[SequenceState]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        budgets = self.controller.budgets(seqs, self.target.max_seq_len, self._previews(seqs),
-                                          self._backlogs(seqs))
+        budgets = self._budgets(seqs)
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
         ids, parents, index = _pack(drafts)
         fwd = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
         verdicts = [verify_tree(d.tree, d.tokens, fwd.logits[b, : d.tree.num_nodes], s.params,
-                                None if s.params.greedy else Noise.draw(s.rng, d.tree.num_nodes, self.vocab),
-                                d.draft_probs, d.without_replacement)
+                                s.position_noise)
                     for b, (s, d) in enumerate(zip(seqs, drafts))]
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
@@ -143,27 +131,34 @@ class SpecDecoder:
         for b, (s, d, v) in enumerate(zip(seqs, drafts, verdicts)):
             drafter = self.drafters.get(s.drafter)
             if drafter is not None:
-                hidden = fwd.hidden[b, v.accepted_nodes] if drafter.needs_hidden else None
+                hidden = fwd.hidden[b, v.accepted_nodes] if drafter.traits.needs_hidden else None
                 drafter.observe(s, d, v.accepted_nodes, hidden)
             s.stats.record(d.num_draft_tokens, d.tree.max_depth, v.num_accepted,
                            v.output_ids.size, t1 - t0, t2 - t1)
-            self.controller.observe(s, d, v, len(seqs), t1 - t0, t2 - t1)
+            self.controller.observe(s, d, v)
             out = s.accept(v.output_ids)                                # emit
             out.step_draft_tokens, out.step_accepted, out.step_depth = d.num_draft_tokens, v.num_accepted, d.tree.max_depth
             out.step_draft_s, out.step_verify_s = t1 - t0, t2 - t1
             outputs.append(out)
         return outputs
 
+    def _budgets(self, seqs: list[SequenceState]) -> list[int]:
+        """The controller's budget per row, clamped to the drafter's largest budget and to the
+        room the row has left (0 for plain rows)."""
+        ks = self.controller.budgets(seqs, self._previews(seqs), self._backlogs(seqs))
+        return [0 if s.drafter is DrafterKind.NONE else
+                min(k, self.drafters[s.drafter].traits.max_budget, s.draft_room())
+                for s, k in zip(seqs, ks)]
+
     def _previews(self, seqs: list[SequenceState]) -> list[list[int] | None] | None:
-        """What free drafters (prompt lookup) would propose at the largest budget, for a
+        """What free drafters (prompt lookup) would propose at their largest budget, for a
         controller that budgets with it; None per row where drafting costs a forward."""
         if not self.controller.wants_previews:
             return None
-        limit = self.spec.max_draft_tokens
         out = []
         for s in seqs:
             d = self.drafters.get(s.drafter)
-            out.append(d.preview(s, limit) if d is not None else None)
+            out.append(d.preview(s, d.traits.max_budget) if d is not None else None)
         return out
 
     def _backlogs(self, seqs: list[SequenceState]) -> list[int] | None:

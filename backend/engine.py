@@ -1,17 +1,16 @@
 """Assemble a SpecDecoder from an engine directory: runtime, tokenizer, drafters, controller.
 
-Used by the Triton adapters, the offline benchmarks and tests, so every path builds the decoder
-the same way from the manifest (the only source of truth at serve time).
+Used by the Triton adapters, the offline benchmarks, the build's checks and tests, so every
+path builds the decoder the same way from the manifest (the only source of truth at serve time).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from backend.config import DrafterKind, ServeConfig, SpecConfig
+from backend.config import DrafterKind, RuntimeOptions, ServeConfig, SpecConfig
+from backend.controller import AdaptiveController, Controller, CostModel, FixedController
 from backend.decoder import SpecDecoder
+from backend.drafters.base import Drafter
 from backend.manifest import EngineManifest
-from backend.runtime import load_draft_runtime, load_runtime
-from backend.controller import AdaptiveController, CostModel, FixedController
+from backend.runtime import load_runtime
 from backend.tokenizer import Tokenizer
 
 
@@ -25,32 +24,44 @@ def default_draft_model(manifest: EngineManifest) -> str | None:
     return None
 
 
-def make_decoder(cfg: ServeConfig, manifest: EngineManifest | None = None) -> SpecDecoder:
+def make_drafters(manifest: EngineManifest, spec: SpecConfig,
+                  options: RuntimeOptions | None = None) -> dict[DrafterKind, Drafter]:
+    """Every drafter the manifest can run: prompt lookup always, a draft model and the EAGLE
+    head (alone and behind prompt lookup) where the build made them."""
     from backend.drafters.prompt_lookup import PromptLookupDrafter
 
-    manifest = manifest or EngineManifest.load(cfg.engine_dir)
-    spec = cfg.spec
-    target = load_runtime(manifest, cfg.weight_format, threads=cfg.threads, spinning=cfg.spinning)
-    drafters = {DrafterKind.PROMPT_LOOKUP: PromptLookupDrafter(
-        spec.prompt_lookup_min_ngram, spec.prompt_lookup_max_ngram, spec.prompt_lookup_width)}
+    lookup = PromptLookupDrafter(spec.prompt_lookup_min_ngram, spec.prompt_lookup_max_ngram,
+                                 spec.prompt_lookup_width, spec.max_draft_tokens)
+    drafters: dict[DrafterKind, Drafter] = {DrafterKind.PROMPT_LOOKUP: lookup}
     name = spec.draft_model or default_draft_model(manifest)
     if name is not None:
         from backend.drafters.draft_model import DraftModelDrafter
 
         drafters[DrafterKind.DRAFT_MODEL] = DraftModelDrafter(
-            load_draft_runtime(manifest, name, threads=cfg.threads, spinning=cfg.spinning),
-            spec.draft_width)
+            load_runtime(manifest, engine=name, options=options), spec.draft_width, spec.max_draft_tokens)
     if "eagle" in manifest.drafts:
         from backend.drafters.eagle import EagleDrafter
         from backend.drafters.hybrid import LookupEagleDrafter
 
-        eagle = EagleDrafter.from_manifest(manifest, spec, threads=cfg.threads)
+        eagle = EagleDrafter.from_manifest(manifest, spec, options)
         drafters[DrafterKind.EAGLE] = eagle
-        drafters[DrafterKind.LOOKUP_EAGLE] = LookupEagleDrafter(
-            drafters[DrafterKind.PROMPT_LOOKUP], eagle, spec.max_draft_tokens)
-    controller = FixedController(spec)
+        drafters[DrafterKind.LOOKUP_EAGLE] = LookupEagleDrafter(lookup, eagle)
+    return drafters
+
+
+def make_controller(manifest: EngineManifest, spec: SpecConfig,
+                    drafters: dict[DrafterKind, Drafter]) -> Controller:
+    """The adaptive controller over the build's cost model, unless the server fixes K (or the
+    build measured no costs). Fails (UnpricedDrafter) if a drafter has no cost entry."""
     if spec.num_draft_tokens is None and manifest.cost_model:
-        controller = AdaptiveController(spec, CostModel.from_json(manifest.cost_model),
-                                        tree_kinds=frozenset({DrafterKind.EAGLE, DrafterKind.LOOKUP_EAGLE}))
-    return SpecDecoder(target, Tokenizer.from_manifest(manifest), drafters, spec, controller,
-                       prefill_chunk=cfg.prefill_chunk)
+        return AdaptiveController({k: d.traits for k, d in drafters.items()},
+                                  CostModel.from_json(manifest.cost_model))
+    return FixedController(spec)
+
+
+def make_decoder(cfg: ServeConfig, manifest: EngineManifest | None = None) -> SpecDecoder:
+    manifest = manifest or EngineManifest.load(cfg.engine_dir)
+    target = load_runtime(manifest, cfg.weight_format, options=cfg.runtime)
+    drafters = make_drafters(manifest, cfg.spec, cfg.runtime)
+    return SpecDecoder(target, Tokenizer.from_manifest(manifest), drafters, cfg.spec,
+                       make_controller(manifest, cfg.spec, drafters), prefill_chunk=cfg.prefill_chunk)

@@ -5,8 +5,15 @@ logits warpers and vLLM's sampler) to one row of logits. Plain decoding samples 
 distribution; speculative verification (verify.py) preserves exactly this distribution.
 
 Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. per token picks token x
-with probability p(x) (gpt-fast `multinomial_sample_one_no_sync`, vLLM). The noise E is drawn by
-the caller from the request's own generator, so the same noise gives the same token.
+with probability p(x) (gpt-fast `multinomial_sample_one_no_sync`, vLLM).
+
+The noise is keyed to the output position (`PositionNoise`): E_i, the noise of a request's i-th
+output token, is a pure function of (seed, i), never of how many draws a step made. Plain
+decoding emits argmax(p_i / E_i) at position i, and so does speculative verification whatever
+was drafted (verify.py), so a seeded request gives the same text alone or in a batch, with any
+drafter and any draft budget. E_i comes from Philox4x32-10 (Salmon et al., SC'11; the generator
+of cuRAND and of Triton's `tl.randint4x`), keyed by the 64-bit seed with counter
+(token // 4, i, 0, 0), so a GPU kernel can make the same noise on the device from two integers.
 Knows: numpy math on one row of logits. Does not know: trees, drafts, models.
 """
 from __future__ import annotations
@@ -73,3 +80,59 @@ def _nucleus(z: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray
 def sample(p: np.ndarray, exp_noise: np.ndarray) -> int:
     """Exponential race: token x with probability p[x]. exp_noise: [V] Exp(1) draws."""
     return int(np.argmax(p / exp_noise))
+
+
+def target_token(logits: np.ndarray, params: SamplingParams, exp_noise: np.ndarray | None) -> int:
+    """The target's token after one row of logits: its argmax (greedy), or its sample with the
+    position's noise. Plain decoding and verification both emit exactly this."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(target_probs(logits, params), exp_noise)
+
+
+PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))     # round multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)                           # key increments (Weyl)
+PHILOX_ROUNDS = 10
+
+
+def philox4x32(key: int, x0: np.ndarray, x1, x2=0, x3=0) -> np.ndarray:
+    """Philox4x32-10 of the counters (x0, x1, x2, x3) under the 64-bit key (key low word first,
+    as Triton splits its seed); all broadcast together -> [..., 4] uint32 words (Random123's
+    known answers hold: tests/test_verify_distribution.py)."""
+    m32, s32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+    key = np.asarray(key, np.uint64)
+    x0, x1, x2, x3 = np.broadcast_arrays(*(np.asarray(x, np.uint64) & m32 for x in (x0, x1, x2, x3)), key)[:4]
+    k0, k1 = key & m32, key >> s32
+    wa, wb = np.uint64(PHILOX_W[0]), np.uint64(PHILOX_W[1])
+    for _ in range(PHILOX_ROUNDS):
+        p0, p2 = PHILOX_M[0] * x0, PHILOX_M[1] * x2
+        x0, x1, x2, x3 = ((p2 >> s32) ^ x1 ^ k0), p2 & m32, ((p0 >> s32) ^ x3 ^ k1), p0 & m32
+        k0, k1 = (k0 + wa) & m32, (k1 + wb) & m32
+    return np.stack([x0, x1, x2, x3], -1).astype(np.uint32)
+
+
+def exponentials(seed: int, position: int, vocab: int) -> np.ndarray:
+    """[vocab] float64 Exp(1) noise of output position `position`: -log((u + 0.5) / 2^32) of the
+    Philox words, token t taking word t % 4 of counter block t // 4."""
+    words = philox4x32(seed, np.arange((vocab + 3) // 4), position).reshape(-1)[:vocab]
+    return -np.log((words.astype(np.float64) + 0.5) * 2.0 ** -32)
+
+
+class PositionNoise:
+    """A request's noise, E_i = exponentials(seed, i), with the few latest positions cached (a
+    draft model and the verification of the same step read the same positions)."""
+
+    KEEP = 24
+
+    def __init__(self, seed: int, vocab: int):
+        assert 0 <= seed < 2 ** 64, seed
+        self.seed, self.vocab = seed, vocab
+        self._cache: dict[int, np.ndarray] = {}
+
+    def at(self, position: int) -> np.ndarray:
+        e = self._cache.get(position)
+        if e is None:
+            e = self._cache[position] = exponentials(self.seed, position, self.vocab)
+            if len(self._cache) > self.KEEP:
+                del self._cache[min(self._cache)]
+        return e

@@ -1,8 +1,9 @@
-"""Requests, per-sequence state and per-step outputs.
+"""Requests, their validation, per-sequence state and per-step outputs.
 
-Knows: what a request asked for, what has been generated, when to stop (EOS, stop tokens,
-max tokens, stop strings) and which text may be released to a stream. Does not know: models,
-drafting or verification.
+Knows: what a request asked for and whether a server can serve it (`validate_request`, the one
+validator: the Triton boundary only converts tensors), what has been generated, when to stop
+(EOS, stop tokens, max tokens, stop strings) and which text may be released to a stream.
+Does not know: models, drafting or verification.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.config import DrafterKind, SamplingParams
+from backend.config import DrafterKind, RequestError, SamplingParams
+from backend.sampling import PositionNoise
 from backend.stats import SpecStats
 from backend.tokenizer import Tokenizer
 
@@ -23,6 +25,38 @@ class Request:
     drafter: DrafterKind = DrafterKind.AUTO
     num_draft_tokens: int | None = None        # None = the server's policy (adaptive or fixed)
     request_id: str = ""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a server can serve: its engine's length and, where known, its drafters' budgets."""
+
+    max_seq_len: int
+    budgets: dict[DrafterKind, int] | None = None   # drafter -> largest budget; None: not known
+                                                    # here (the ensemble's preprocessing)
+
+
+def validate_request(req: Request, limits: RequestLimits, drafter: DrafterKind | None = None) -> None:
+    """Raise RequestError naming the field if `req` cannot be served; `drafter`: what its
+    drafter resolves to on this server (None: not known here)."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise RequestError("text_input", "empty prompt")
+    if n >= limits.max_seq_len:
+        raise RequestError("text_input", f"prompt has {n} tokens; the engine's maximum sequence "
+                                         f"length is {limits.max_seq_len}")
+    req.params.validate(limits.max_seq_len)
+    k = req.num_draft_tokens
+    if k is not None and k < 0:
+        raise RequestError("num_draft_tokens", f"must be >= 0, got {k}")
+    if limits.budgets is None or drafter is None or drafter is DrafterKind.NONE:
+        return
+    if drafter not in limits.budgets:
+        raise RequestError("drafter", f"{drafter.value!r} is not available on this server (available: "
+                                      f"none, {', '.join(d.value for d in limits.budgets)})")
+    if k is not None and k > limits.budgets[drafter]:
+        raise RequestError("num_draft_tokens", f"must be in [0, {limits.budgets[drafter]}] for drafter "
+                                               f"{drafter.value}, got {k}")
 
 
 @dataclass
@@ -86,7 +120,7 @@ class SequenceState:
     seq_id: int
     request: Request
     drafter: DrafterKind
-    rng: np.random.Generator
+    noise: PositionNoise               # E_i per output position i (sampling.py)
     stop_ids: frozenset[int]
     text: TextState
     max_total_len: int                 # prompt + output tokens the engine can hold
@@ -119,6 +153,11 @@ class SequenceState:
     def kv_len(self) -> int:
         """Tokens in the target's KV: everything but the root."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def position_noise(self, depth: int) -> np.ndarray:
+        """[V] noise of the output token `depth` places after the last one emitted (depth 0: the
+        next token; the tree node at depth d predicts it)."""
+        return self.noise.at(len(self.output_ids) + depth)
 
     def draft_room(self) -> int:
         """Most draft tokens a step may carry (max_tokens and the engine's length both bind)."""

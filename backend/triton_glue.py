@@ -162,7 +162,6 @@ class Service:
         cfg = serve_config(args)
         self.decoder = make_decoder(cfg)
         self.tok = self.decoder.tok
-        self.max_len = self.decoder.target.max_seq_len
         self.metrics = Metrics(TritonRegistry(pb), {"model": args["model_name"]})
         self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
         self._count = 0
@@ -171,9 +170,9 @@ class Service:
         pb = self.pb
         try:
             inputs = request_inputs(request)
-            if self.mode == "ids" and bool(triton_io._bool(inputs, triton_io.STOP, False)):
-                self.scheduler.stop(triton_io._str(triton_io._one(inputs, triton_io.SEQUENCE_KEY) or b"",
-                                                   triton_io.SEQUENCE_KEY))
+            stop = triton_io.stop_key(inputs) if self.mode == "ids" else None
+            if stop is not None:
+                self.scheduler.stop(stop)
                 request.get_response_sender().send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
             if self.mode == "text":
@@ -181,8 +180,7 @@ class Service:
                 ids = self.tok.encode(text, add_special_tokens=True)
             else:
                 ids = triton_io.input_ids(inputs)
-            parsed = triton_io.parse(inputs, ids, self.tok.eos_token_ids, self.max_len,
-                                     request.request_id())
+            parsed = triton_io.parse(inputs, ids, request.request_id())   # validated at start
         except Exception as exc:
             fail_request(pb, request, exc)
             return

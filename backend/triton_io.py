@@ -6,7 +6,10 @@ and genai-perf work unchanged; TensorRT-LLM conventions hold too: top_p = 0 mean
 stop words mean "none", end_id = -1 means "do not stop at EOS". Ours: min_p, drafter,
 apply_chat_template (text_input is one user message, or a JSON list of {"role","content"}
 messages), and the per-response statistics outputs.
-Knows: names, dtypes, defaults, validation. Does not know: Triton's Python API (no pb_utils).
+Its public functions are the boundary: tensors in -> `parse` (a Request, converted but not yet
+validated: sequence.validate_request is the one validator, run where the server's limits are
+known) -> tensors out. Knows: names, dtypes, defaults, conversion. Does not know: Triton's
+Python API (no pb_utils).
 """
 from __future__ import annotations
 
@@ -107,7 +110,7 @@ def prompt_text(inputs: dict, chat_template_fn) -> str:
     return text
 
 
-def sampling_params(inputs: dict, eos_ids: tuple[int, ...], max_tokens_limit: int) -> SamplingParams:
+def sampling_params(inputs: dict) -> SamplingParams:
     stops = inputs.get("stop_words")
     stop_strings = ()
     if stops is not None:
@@ -115,7 +118,7 @@ def sampling_params(inputs: dict, eos_ids: tuple[int, ...], max_tokens_limit: in
     end_id = _int(inputs, "end_id", None)
     top_p = _float(inputs, "top_p", 1.0)
     seed = _int(inputs, "random_seed", None)
-    params = SamplingParams(
+    return SamplingParams(
         temperature=_float(inputs, "temperature", 0.0),
         top_k=_int(inputs, "top_k", 0),
         top_p=1.0 if top_p == 0.0 else top_p,
@@ -126,12 +129,11 @@ def sampling_params(inputs: dict, eos_ids: tuple[int, ...], max_tokens_limit: in
         stop_strings=stop_strings,
         ignore_eos=end_id is not None,   # an explicit end_id replaces the model's EOS ids
     )
-    return params.validate(max_tokens_limit)
 
 
-def parse(inputs: dict, prompt_ids, eos_ids: tuple[int, ...], max_tokens_limit: int,
-          request_id: str = "") -> Parsed:
-    """Full request from tensors; prompt_ids: the tokenized prompt (from text or input_ids)."""
+def parse(inputs: dict, prompt_ids, request_id: str = "") -> Parsed:
+    """Full request from tensors; prompt_ids: the tokenized prompt (from text or input_ids).
+    Refuses values of the wrong kind; whether the values can be served is validate_request's."""
     drafter = _one(inputs, "drafter")
     kind = DrafterKind.AUTO
     if drafter is not None:
@@ -142,15 +144,16 @@ def parse(inputs: dict, prompt_ids, eos_ids: tuple[int, ...], max_tokens_limit: 
             raise RequestError("drafter", f"unknown drafter {name!r}; one of "
                                           f"{[k.value for k in DrafterKind]}") from None
     k = _int(inputs, "num_draft_tokens", None)
-    if k is not None and k < 0:
-        raise RequestError("num_draft_tokens", f"must be >= 0, got {k}")
-    params = sampling_params(inputs, eos_ids, max_tokens_limit)
-    if len(prompt_ids) >= max_tokens_limit:
-        raise RequestError(TEXT_INPUT, f"prompt has {len(prompt_ids)} tokens; the engine's maximum "
-                                       f"sequence length is {max_tokens_limit}")
-    req = Request(tuple(int(t) for t in prompt_ids), params, kind, k, request_id)
+    req = Request(tuple(int(t) for t in prompt_ids), sampling_params(inputs), kind, k, request_id)
     first = next(iter(inputs.values()))
     return Parsed(req, _bool(inputs, "stream", False), np.asarray(first).ndim >= 2)
+
+
+def stop_key(inputs: dict) -> str | None:
+    """The ensemble's cancellation: the sequence key to stop if this is a `stop` request."""
+    if not _bool(inputs, STOP, False):
+        return None
+    return _str(_one(inputs, SEQUENCE_KEY) or b"", SEQUENCE_KEY)
 
 
 def input_ids(inputs: dict) -> list[int]:

@@ -80,7 +80,7 @@ def test_draft_model_state_survives_speculation_off_and_on():
     """Budgets 4, 0, 0, 4, ...: the draft's KV must stay in sync (acceptance must not collapse)."""
     dec = make(k=4)
     budgets = iter([4, 0, 0, 4, 0, 4, 4, 0] * 10)
-    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toks, outs = run(dec, DrafterKind.DRAFT_MODEL, SamplingParams(max_tokens=60))
     plain, _ = run(make(), DrafterKind.NONE, SamplingParams(max_tokens=60))
     assert toks == plain
@@ -103,3 +103,29 @@ def test_bad_requests_are_refused_with_field_names():
     long = tuple(range(8)) * 600
     with pytest.raises(RequestError, match="maximum sequence length"):
         dec.start(Request(long, SamplingParams()))
+
+
+@pytest.mark.parametrize("kind", [DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL])
+def test_seeded_sampling_is_plain_sampling_whatever_the_drafter_and_budget(kind):
+    """The noise is keyed to the output position, so a seeded sampled request emits plain
+    sampling's tokens one for one: with any drafter, any budget (one that changes every step
+    too) and any batch. The draft model draws with the same noise, so it is often accepted."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02, max_tokens=80, seed=77)
+    plain, _ = run(make(), DrafterKind.NONE, params)
+    for k, width in ((1, 1), (4, 1), (6, 3)):
+        toks, outs = run(make(k, width), kind, params)
+        assert toks == plain, (k, width)
+        assert outs[-1].stats.num_accepted_tokens > 0
+    dec = make()
+    budgets = iter([3, 0, 7, 1, 0, 5] * 50)
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [next(budgets) for _ in seqs]
+    others = [Request(p, SamplingParams(temperature=1.0, max_tokens=50), kind) for p in ((3, 3, 2, 1), (5, 6, 7))]
+    seqs = [dec.start(Request(PROMPT, params, kind))] + [dec.start(r) for r in others]
+    assert run_batch(dec, seqs)[0] == plain
+
+
+def test_decoder_clamps_every_budget_to_the_drafters_largest():
+    dec = make()
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [99 for _ in seqs]
+    _, outs = run(dec, DrafterKind.DRAFT_MODEL, SamplingParams(max_tokens=40))
+    assert 0 < max(o.step_depth for o in outs) <= dec.drafters[DrafterKind.DRAFT_MODEL].traits.max_budget

@@ -122,7 +122,7 @@ def test_eagle_state_survives_speculation_off_and_on(tiny):
     dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
     plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
     budgets = iter([6, 0, 0, 6, 0, 6, 6, 0] * 20)
-    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toggled = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
     assert [t for o in toggled for t in o.new_ids] == plain
     assert toggled[-1].stats.num_steps < 48 and toggled[-1].stats.num_draft_tokens > 0
@@ -133,6 +133,7 @@ def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
     then what the last verify kept); the decoder hands it to an adaptive controller; the build
     times the head as it drafts and prices each catch-up token."""
     from backend.build.costs import measure_cost_model
+    from backend.build.pipeline import check_priced
     from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
     from backend.controller import AdaptiveController, CostModel
     from backend.engine import make_decoder
@@ -141,12 +142,13 @@ def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
     m, _ = tiny
     cm = measure_cost_model(m, context=32, reps=2)
     assert cm["draft_step_s"]["eagle"] > 0
-    assert cm["catch_up_s"]["eagle"] >= 0 and cm["catch_up_s"]["lookup+eagle"] == cm["catch_up_s"]["eagle"]
+    assert cm["catch_up_s"]["eagle"] >= 0
     assert CostModel.from_json(cm).catch_up_s == cm["catch_up_s"]
+    check_priced(m.with_updates(cost_model=cm))       # every drafter the build serves is priced
 
     spec = SpecConfig(max_tree_nodes=6, eagle_depth=3, eagle_topk=3)
     dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
-    dec.controller = AdaptiveController(spec, CostModel.from_json(cm))
+    dec.controller = AdaptiveController({k: d.traits for k, d in dec.drafters.items()}, CostModel.from_json(cm))
     head = dec.drafters[DrafterKind.EAGLE]
     prompt = tuple(np.random.default_rng(3).integers(3, m.model.vocab_size, 20).tolist())
     s = dec.start(Request(prompt, SamplingParams(max_tokens=16, ignore_eos=True), DrafterKind.EAGLE))
@@ -154,7 +156,7 @@ def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
         pass
     assert head.backlog(s) == len(prompt)
     seen, budget = [], [0]
-    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: (
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: (
         seen.append(backlogs) or [budget[0]] * len(seqs))
     dec.step([s])
     assert seen == [[len(prompt)]] and head.backlog(s) == len(prompt) + 1
@@ -162,3 +164,26 @@ def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
     out = dec.step([s])[0]
     assert seen[-1] == [len(prompt) + 1] and head.backlog(s) == out.step_accepted + 1
     dec.finish(s)
+
+
+def test_a_drafter_without_a_cost_entry_fails_the_build_and_the_server(tiny):
+    """The EAGLE head's forwards must be priced for `eagle` and `lookup+eagle` (which drafts with
+    the head whenever lookup has no match); a cost model without them fails the build's check
+    and refuses to make an adaptive controller, naming the drafter."""
+    from backend.build.pipeline import BuildError, check_priced
+    from backend.config import ServeConfig, SpecConfig
+    from backend.controller import UnpricedDrafter
+    from backend.engine import make_decoder
+
+    m, _ = tiny
+    cm = {"tokens": [1, 64], "seconds": [0.02, 0.03], "per_seq_s": 0.0,
+          "draft_step_s": {"prompt-lookup": 0.0, "draft-model": 0.001}, "catch_up_s": {"draft-model": 1e-4}}
+    with pytest.raises(BuildError, match="drafter 'eagle' has no cost entry 'eagle'"):
+        check_priced(m.with_updates(cost_model=cm))
+    with pytest.raises(UnpricedDrafter, match="lookup\\+eagle|'eagle'"):
+        make_decoder(ServeConfig(engine_dir=str(m.root), spec=SpecConfig()), m.with_updates(cost_model=cm))
+    cm["draft_step_s"]["eagle"], cm["catch_up_s"]["eagle"] = 0.002, 1e-4
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=SpecConfig()), m.with_updates(cost_model=cm))
+    from backend.config import DrafterKind
+    hybrid = dec.drafters[DrafterKind.LOOKUP_EAGLE].traits
+    assert hybrid.cost_key == "eagle" and dec.controller._draft_cost({DrafterKind.LOOKUP_EAGLE}, 1, 8) > 0

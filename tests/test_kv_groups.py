@@ -27,8 +27,8 @@ def test_join_leave_reorder_is_exact_and_copies_only_when_needed(fp32_runtime):
                for i, n in enumerate((37, 80, 15, 52, 20, 300, 10))}
     feed = {sid: rng.integers(3, 40000, 12).tolist() for sid in prompts}
     regroups = []
-    real = rt._regroup
-    rt._regroup = lambda ids: regroups.append(list(ids)) or real(ids)
+    real = rt.groups._regroup
+    rt.groups._regroup = lambda ids: regroups.append(list(ids)) or real(ids)
     try:
         got: dict[tuple[int, int], np.ndarray] = {}
         pos = {sid: 0 for sid in prompts}
@@ -60,7 +60,7 @@ def test_join_leave_reorder_is_exact_and_copies_only_when_needed(fp32_runtime):
         for sid in (a, c, d, e, g, f):
             rt.free(sid)
     finally:
-        rt._regroup = real
+        rt.groups._regroup = real
     assert rt.num_sequences() == 0
     for sid in prompts:                           # reference: each sequence decoded alone
         n = max([k for (s, k) in got if s == sid], default=-1) + 1

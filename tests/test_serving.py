@@ -125,6 +125,32 @@ def test_concurrent_streams_are_batched(server, offline):
     assert batches > 0 and fwd / batches > 2.0, f"{fwd} sequence-steps in {batches} forwards: not batched"
 
 
+def test_seeded_sampling_is_the_same_text_alone_among_streams_and_with_any_drafter(server):
+    """random_seed at temperature 0.7: the text does not depend on the drafter, on the draft
+    budget the adaptive controller picks under load, or on the other streams in the batch."""
+    edit = next(p for p in load_prompts() if p["kind"] == "edit")["messages"][0]["content"]
+    kw = dict(temperature=0.7, top_p=0.95, seed=42, max_tokens=48)
+    alone_plain = collect(spclient.stream_grpc, server.grpc_url, "specdec", edit, drafter="none", **kw)[0]
+    alone_lookup = collect(spclient.stream_grpc, server.grpc_url, "specdec", edit, drafter="prompt-lookup", **kw)[0]
+    assert alone_plain and alone_lookup == alone_plain
+    others = [p["messages"][0]["content"] for p in load_prompts()][:7]
+    results: dict[int, str] = {}
+
+    def run(i):
+        if i == 0:
+            results[i] = collect(spclient.stream_grpc, server.grpc_url, "specdec", edit, drafter="prompt-lookup", **kw)[0]
+        else:
+            results[i] = collect(spclient.stream_grpc, server.grpc_url, "specdec", others[i - 1],
+                                 temperature=1.0, max_tokens=48)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results.get(0) == alone_plain
+
+
 def test_cancel_one_stream_others_finish(server, offline):
     prompts = ["Write a long story about a dragon.", "List twenty fruits.", "Explain TCP in detail."]
     expected = [offline(p, 60) for p in prompts]

@@ -58,8 +58,9 @@ def test_greedy_spec_identical_to_plain(built_repo, prompts, plain, kind, spec):
         # machine (CI once measured costs under which prompt lookup never drafted, and this test
         # passed nothing through the verifier); a flat cost model makes speculation pay on any
         # machine, so adaptive K is exercised, varying with acceptance, everywhere
-        dec.controller = AdaptiveController(SpecConfig(**spec), CostModel([1, 64], [0.02, 0.02]),
-                                            tree_kinds=dec.controller.tree_kinds)
+        keys = {d.traits.cost_key: 0.0 for d in dec.drafters.values()}
+        dec.controller = AdaptiveController({k: d.traits for k, d in dec.drafters.items()},
+                                            CostModel([1, 64], [0.02, 0.02], 0.0, keys, keys))
     drafted = 0
     for ids, ref in zip(prompts, plain):
         toks, stats = generate(dec, ids, DrafterKind(kind))
@@ -102,13 +103,38 @@ def test_seeded_sampling_reproducible(built_repo, prompts):
     assert a == b and len(a) > 0
 
 
+def test_seeded_sampling_is_the_same_text_with_any_drafter_budget_and_batch(built_repo, prompts):
+    """Noise keyed to the output position: a seeded sampled request gives plain sampling's text
+    token for token, whatever drafts (lookup, draft model, EAGLE trees), however many draft
+    tokens each step gets, and whoever shares its batch."""
+    p = SamplingParams(temperature=0.7, top_k=50, top_p=0.95, max_tokens=MAX_NEW, seed=2024)
+    ids = prompts[0]                                  # an edit prompt: lookup drafts a lot
+    ref = generate(decoder(built_repo), ids, DrafterKind.NONE, p)[0]
+    kinds = [DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL] + [DrafterKind.EAGLE] * HAS_HEAD
+    drafted = 0
+    for k in (2, 6):
+        dec = decoder(built_repo, num_draft_tokens=k)
+        for kind in kinds:
+            toks, stats = generate(dec, ids, kind, p)
+            assert toks == ref, (kind, k)
+            drafted += stats.num_draft_tokens
+    assert drafted > 0
+    budgets = iter([5, 0, 1, 7, 3, 0, 8] * 40)        # a budget that changes every step
+    dec = decoder(built_repo)
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [next(budgets) for _ in seqs]
+    others = [Request(tuple(q), SamplingParams(temperature=1.0, max_tokens=MAX_NEW), DrafterKind.PROMPT_LOOKUP)
+              for q in prompts[1:]]
+    seqs = [dec.start(Request(tuple(ids), p, DrafterKind.PROMPT_LOOKUP))] + [dec.start(r) for r in others]
+    assert run_batch(dec, seqs)[0] == ref
+
+
 @pytest.mark.skipif(not HAS_HEAD, reason="no trained EAGLE head committed")
 def test_eagle_acceptance_survives_speculation_off_and_on(built_repo, prompts, plain):
     """Known failure elsewhere: acceptance silently collapsing after re-enabling speculation."""
     dec = decoder(built_repo, num_draft_tokens=12)
     always = generate(dec, prompts[0], DrafterKind.EAGLE)
     budgets = iter([12, 0, 0, 12, 0, 12, 12, 0] * 20)
-    dec.controller.budgets = lambda seqs, max_len, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
+    dec.controller.budgets = lambda seqs, previews=None, backlogs=None: [min(next(budgets), s.draft_room()) for s in seqs]
     toggled = generate(dec, prompts[0], DrafterKind.EAGLE)
     assert toggled[0] == plain[0]
 

@@ -117,7 +117,7 @@ def _time_round_robin(shapes: list[_Shape], reps: int) -> list[float]:
 
 def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int = 7) -> dict:
     from backend.engine import default_draft_model
-    from backend.runtime import load_draft_runtime, load_runtime
+    from backend.runtime import load_runtime
 
     rt = load_runtime(manifest)
     shapes = [_Shape(rt, 1, m, context, 20_000 + 10 * i) for i, m in enumerate(GRID)]
@@ -130,7 +130,7 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
     catch_up = {}
     name = default_draft_model(manifest)
     if name is not None:
-        drt = load_draft_runtime(manifest, name)
+        drt = load_runtime(manifest, engine=name)
         one, whole = _time_round_robin([_Shape(drt, 1, 1, context, 20_000),
                                         _Shape(drt, 1, context, context, 20_010)], reps)
         drt.close()
@@ -138,7 +138,6 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
         catch_up["draft-model"] = max(0.0, (whole - one) / (context - 1))
     if "eagle" in manifest.drafts:
         draft_step["eagle"], catch_up["eagle"] = _time_eagle(manifest, context, reps)
-        catch_up["lookup+eagle"] = catch_up["eagle"]
     return {"tokens": list(GRID), "seconds": [round(s, 6) for s in seconds],
             "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step,
             "catch_up_s": {k: round(c, 8) for k, c in catch_up.items()}, "context": context}

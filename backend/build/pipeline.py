@@ -121,6 +121,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
 
         t0 = time.time()
         manifest = manifest.with_updates(cost_model=measure_cost_model(manifest))
+        check_priced(manifest)
         manifest.save(engine_dir)
         log(f"cost model measured in {time.time() - t0:.1f}s: forward ms at M=1..64: "
             f"{[round(1000 * s, 1) for s in manifest.cost_model['seconds']]}; draft ms per step "
@@ -129,6 +130,20 @@ def build(cfg: BuildConfig) -> EngineManifest:
     written = fill_repository(Path(cfg.output), template_values(manifest, cfg))
     _summary(manifest, engine_dir, written, timings, time.time() - t_start, log)
     return EngineManifest.load(engine_dir)
+
+
+def check_priced(manifest: EngineManifest) -> None:
+    """Every drafter the built repository serves has its cost entry (the controller would price
+    an unpriced one at nothing): BuildError naming it otherwise."""
+    from backend.config import SpecConfig
+    from backend.controller import CostModel, UnpricedDrafter
+    from backend.engine import make_drafters
+
+    drafters = make_drafters(manifest, SpecConfig())
+    try:
+        CostModel.from_json(manifest.cost_model).check_priced({k.value: d.traits for k, d in drafters.items()})
+    except UnpricedDrafter as exc:
+        raise BuildError(str(exc)) from None
 
 
 def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:

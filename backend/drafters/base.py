@@ -1,12 +1,18 @@
 """The Drafter protocol: everything that proposes token trees for the target to verify.
 
 A drafter proposes, per sequence, a `Draft`: a TokenTree whose root is the sequence's last token
-plus the drafted tokens and, for sampled drafts, the distribution q each node was drawn from.
+plus the drafted tokens. Verification needs nothing else: whatever a drafter drew its tokens
+from, the token emitted at each output position is the target's own sample with that position's
+noise (verify.py), so a drafter only decides which candidates get checked.
 `max_tokens` bounds the drafted nodes (0 = propose nothing: a plain decoding step). After the
 target verified a step, `observe` tells the drafter which nodes were kept and gives the target's
 final-norm features of the kept nodes (EAGLE heads read them). A drafter keeps its own
 per-sequence state keyed by seq_id and must stay valid when a step proposes nothing (speculation
 switched off and on again by the controller).
+
+Each drafter states what it is once, in its `traits` (tree or chain, largest budget, the draft
+forwards a budget costs, its cost-model entry); the decoder, the controllers and the build read
+them there and nowhere else keep lists of drafter kinds.
 """
 from __future__ import annotations
 
@@ -20,12 +26,25 @@ from backend.sequence import SequenceState
 from backend.tree import TokenTree
 
 
+@dataclass(frozen=True)
+class DrafterTraits:
+    tree: bool              # proposes trees whose size is the budget (the controller learns tokens
+                            # per tree size); False: chains (it learns acceptance per depth)
+    max_budget: int         # largest budget: chain length or tree nodes, the root excluded
+    max_forwards: int       # sequential draft forwards the largest budget costs (0: free)
+    cost_key: str           # its entry in the build's cost model (draft_step_s, catch_up_s)
+    catches_up: bool = False    # a model of its own that must be fed what it has not seen
+    needs_hidden: bool = False  # wants the target's final-norm features in begin()/observe()
+
+    def forwards(self, budget: int) -> int:
+        """Sequential draft forwards of one step with this budget."""
+        return min(budget, self.max_forwards) if budget > 0 else 0
+
+
 @dataclass
 class Draft:
     tree: TokenTree
     tokens: np.ndarray                     # [num_nodes] int64, tokens[0] = root (last token)
-    draft_probs: np.ndarray | None = None  # [num_nodes, V]: q node i was drawn from; None = point masses
-    without_replacement: bool = False      # siblings drawn without replacement from q
 
     @classmethod
     def empty(cls, root: int) -> "Draft":
@@ -38,7 +57,7 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
-    needs_hidden: bool      # wants the target's final-norm features in observe()
+    traits: DrafterTraits
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise RequestError if this drafter cannot serve these parameters losslessly."""

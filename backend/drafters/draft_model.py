@@ -5,10 +5,13 @@ N layers plus its head (`--draft self:N`).
 
 Per step, for each sequence: feed the committed tokens the draft has not seen (the root at
 least), then draw one token per depth. With width w > 1 each depth also gets w - 1 sibling
-leaves (a "chain with alternatives" tree). Greedy requests take the draft's top tokens (point
-masses); sampled requests draw from q = the draft's logits warped by the request's own
-temperature/top-k/top-p (exact q is passed to verification), siblings without replacement
-(Gumbel-top-k), so every sampling parameter is served losslessly.
+leaves (a "chain with alternatives" tree). Greedy requests take the draft's top tokens;
+sampled requests take argmax(q / E) with q the draft's logits warped by the request's own
+temperature/top-k/top-p/min-p and E the noise of the output position the token is drafted for:
+the same noise the target samples that position with, so the draft agrees with the target as
+often as the two distributions allow (verify.py: the Gumbel-max coupling), and the siblings are
+the next best of q / E (draws without replacement). Every sampling parameter is served
+losslessly, and the output is that of plain sampling with the request's seed.
 
 The draft's KV keeps every token it was fed; after verification it is truncated back to the
 committed sequence (what was accepted), so its state stays valid whatever budget the
@@ -19,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.config import SamplingParams
-from backend.drafters.base import Draft
+from backend.drafters.base import Draft, DrafterTraits
 from backend.kv_cache import PAD_PARENT
 from backend.runtime.base import Runtime
 from backend.sampling import target_probs
@@ -29,15 +32,16 @@ from backend.tree import TokenTree
 
 class DraftModelDrafter:
     name = "draft-model"
-    needs_hidden = False
 
-    def __init__(self, runtime: Runtime, width: int = 1):
+    def __init__(self, runtime: Runtime, width: int = 1, max_tokens: int = 8):
         self.rt = runtime
         self.width = max(1, width)
+        self.traits = DrafterTraits(tree=False, max_budget=max_tokens, max_forwards=max_tokens,
+                                    cost_key=self.name, catches_up=True)
         self._fed: dict[int, int] = {}           # seq_id -> tokens of all_ids in the draft KV
 
     def check_params(self, params: SamplingParams) -> None:
-        return None                              # q is the exact draw distribution: lossless
+        return None                              # any draw is lossless (verify.py)
 
     def begin(self, seq: SequenceState, prompt_hidden) -> None:
         self.rt.alloc(seq.seq_id)
@@ -90,7 +94,7 @@ class DraftModelDrafter:
         for s, p in zip(rows, pend):
             self._fed[s.seq_id] += p.size
         # 2) one token (plus siblings) per depth
-        nodes = [[(-1, s.root, None)] for s in rows]          # (parent, token, q row)
+        nodes = [[(-1, s.root)] for s in rows]                # (parent, token)
         chain_tip = [0] * len(rows)
         logits = out.logits[:, 0]
         for d in range(depth):
@@ -98,10 +102,10 @@ class DraftModelDrafter:
             nxt = []
             for r in live:
                 s = rows[r]
-                toks, q = self._draw(logits[r], s)
+                toks = self._draw(logits[r], s, d)
                 parent = chain_tip[r]
                 for j, tok in enumerate(toks):
-                    nodes[r].append((parent, int(tok), q))
+                    nodes[r].append((parent, int(tok)))
                     if j == 0:
                         chain_tip[r] = len(nodes[r]) - 1
                 nxt.append(int(toks[0]))
@@ -119,31 +123,18 @@ class DraftModelDrafter:
             for j, sid in enumerate(live_ids):
                 logits[row_of[sid]] = o.logits[j, 0]
         for r, i in enumerate(active):
-            drafts[i] = self._to_draft(nodes[r], rows[r].params.greedy)
+            drafts[i] = Draft(TokenTree(np.array([p for p, _ in nodes[r]], np.int32)),
+                              np.array([t for _, t in nodes[r]], np.int64))
         return drafts
 
-    def _draw(self, logits: np.ndarray, seq: SequenceState):
-        """Tokens for one depth (chain token first) and the distribution they came from."""
+    def _draw(self, logits: np.ndarray, seq: SequenceState, depth: int) -> np.ndarray:
+        """Tokens for the output position `depth` places ahead, chain token first."""
         if seq.params.greedy:
-            return np.argsort(-logits, kind="stable")[: self.width], None
+            return np.argsort(-logits, kind="stable")[: self.width]
         q = target_probs(logits, seq.params)
-        gumbel = -np.log(seq.rng.standard_exponential(q.size))
-        with np.errstate(divide="ignore"):
-            keys = np.log(q) + gumbel                   # Gumbel-top-k: draws without replacement
+        keys = q / seq.position_noise(depth)          # the target's noise at that position
         support = int(np.count_nonzero(q))
-        return np.argsort(-keys, kind="stable")[: min(self.width, support)], q
-
-    @staticmethod
-    def _to_draft(nodes, greedy: bool) -> Draft:
-        tree = TokenTree(np.array([p for p, _, _ in nodes], np.int32))
-        tokens = np.array([t for _, t, _ in nodes], np.int64)
-        if greedy:
-            return Draft(tree, tokens)
-        v = next(q for _, _, q in nodes[1:]).size
-        probs = np.zeros((len(nodes), v), np.float64)
-        for i, (_, _, q) in enumerate(nodes[1:], start=1):
-            probs[i] = q
-        return Draft(tree, tokens, probs, without_replacement=True)
+        return np.argsort(-keys, kind="stable")[: min(self.width, support)]
 
 
 def _chain_nodes(tree: TokenTree) -> list[int]:

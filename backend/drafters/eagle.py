@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.config import SamplingParams, SpecConfig
-from backend.drafters.base import Draft
+from backend.drafters.base import Draft, DrafterTraits
 from backend.kv_cache import PAD_PARENT
 from backend.sequence import SequenceState
 from backend.tree import TokenTree
@@ -37,25 +37,24 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
 
 class EagleDrafter:
     name = "eagle"
-    needs_hidden = True
 
     def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12):
         self.rt = runtime
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        self.traits = DrafterTraits(tree=True, max_budget=max_nodes, max_forwards=depth,
+                                    cost_key=self.name, catches_up=True, needs_hidden=True)
         self._pending: dict[int, list[np.ndarray]] = {}      # chunks of [n, H] target features not yet fed
         self._fed: dict[int, int] = {}
 
     @classmethod
-    def from_manifest(cls, manifest, spec: SpecConfig, threads: int | None = None) -> "EagleDrafter":
-        from dataclasses import replace
+    def from_manifest(cls, manifest, spec: SpecConfig, options=None) -> "EagleDrafter":
+        """The head built into `manifest`, on the runtime `load_runtime` gives it (options:
+        runtime.RuntimeOptions, as the target's)."""
+        from backend.runtime import load_runtime
 
-        from backend.runtime.ort import OrtRuntime
-
-        d = manifest.drafts["eagle"]
-        cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
-        rt = OrtRuntime(manifest.resolve(d.path), cfg, 1, manifest.max_seq_len, threads=threads)
-        vocab = np.load(manifest.resolve(d.extra["vocab_path"]))
+        rt = load_runtime(manifest, engine="eagle", options=options)
+        vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
         return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -14,11 +14,12 @@ from backend.sequence import SequenceState
 
 class LookupEagleDrafter:
     name = "lookup+eagle"
-    needs_hidden = True
 
-    def __init__(self, lookup, eagle, max_lookup_tokens: int):
+    def __init__(self, lookup, eagle):
         self.lookup, self.eagle = lookup, eagle
-        self.max_lookup = max_lookup_tokens
+        self.max_lookup = lookup.traits.max_budget
+        # a step drafts with the head whenever lookup has no match: priced as the head
+        self.traits = eagle.traits
 
     def check_params(self, params: SamplingParams) -> None:
         self.lookup.check_params(params)

@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from backend.config import SamplingParams
-from backend.drafters.base import Draft
+from backend.drafters.base import Draft, DrafterTraits
 from backend.sequence import SequenceState
 from backend.tree import TokenTree
 
@@ -50,10 +50,10 @@ class _Index:
 
 class PromptLookupDrafter:
     name = "prompt-lookup"
-    needs_hidden = False
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, width: int = 1):
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, width: int = 1, max_tokens: int = 8):
         assert 1 <= min_ngram <= max_ngram, (min_ngram, max_ngram)
+        self.traits = DrafterTraits(tree=False, max_budget=max_tokens, max_forwards=0, cost_key=self.name)
         self.min_n, self.max_n, self.width = min_ngram, max_ngram, max(1, width)
         self._index: dict[int, _Index] = {}
         self._preview: dict[int, tuple[int, int, list[int]]] = {}   # seq -> (tokens, limit, chain)

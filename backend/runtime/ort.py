@@ -1,17 +1,12 @@
 """CPU runtime: one ONNX Runtime session over a decoder graph from build/graph.py.
 
 KV storage lives here as numpy arrays that ORT reads and writes in place through IOBinding:
-a batch group keeps, per layer, two flat buffers; the past is a view of one, and ORT's Concat
-writes the present (past + T new columns) straight into a view of the other, which becomes the
-next past. No KV is copied between steps except by that Concat; garbage columns of rejected
-tree nodes are masked (kv_cache.py) and squeezed out now and then. Sequences that are run
-together share a group. Continuous batching changes the set every time a request joins or
-leaves, and copying the whole cache then costs 3-7 decode steps at 16 x 450 tokens (measured
-offline), so a group changes in place where it can: a finished sequence leaves an idle row
-(fed padding, its output dropped) that the next joining sequence takes over, or a row is
-appended; only when a joiner is longer than the group, idle rows pass a quarter of the group,
-or garbage grows, are the sequences copied into a new group.
-Knows: ORT sessions, IOBinding, KV storage. Does not know: sampling, drafting, requests.
+a batch group (kv_groups.py: which sequences share arrays, and when to copy) keeps, per layer,
+two flat buffers; the past is a view of one, and ORT's Concat writes the present (past + T new
+columns) straight into a view of the other, which becomes the next past. No KV is copied
+between steps except by that Concat; garbage columns of rejected tree nodes are masked
+(kv_cache.py) and squeezed out now and then.
+Knows: ORT sessions, IOBinding, KV buffers. Does not know: sampling, drafting, requests.
 """
 from __future__ import annotations
 
@@ -22,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.kv_cache import PAD_PARENT, KVLayout
+from backend.config import RuntimeOptions
+from backend.kv_cache import PAD_PARENT
+from backend.kv_groups import KVGroups, spread_rows
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput
 
@@ -104,40 +101,57 @@ class _Grow:
         return self.flat[:n].reshape(shape)
 
 
-class _Group:
-    """Sequences that share KV arrays, in row order."""
+class _PingPong:
+    """One group's KV: per layer K and V, two flat buffers each; `kv` are the current past views
+    [B, Hkv, L, D], and the forward's present is written into views of the other buffers."""
 
-    def __init__(self, seq_ids: list[int], layout: KVLayout, num_arrays: int):
-        self.seq_ids = list(seq_ids)
-        self.layout = layout
-        self.store = [(_Grow(), _Grow()) for _ in range(num_arrays)]   # ping-pong per array
+    def __init__(self, num_arrays: int):
+        self.store = [(_Grow(), _Grow()) for _ in range(num_arrays)]
         self.cur = 0
-        self.kv: list[np.ndarray] = []      # [2 * layers] current past views [B, Hkv, L, D]
-        self.dead: set[int] = set()
+        self.kv: list[np.ndarray] = []
 
     def next_views(self, shape) -> list[np.ndarray]:
-        """Views of the spare buffers, where the next present is written."""
         return [pair[1 - self.cur].view(shape) for pair in self.store]
 
     def swap(self, presents: list[np.ndarray]) -> None:
         self.kv = presents
         self.cur = 1 - self.cur
 
-    def row(self, seq_id: int) -> int:
-        return self.seq_ids.index(seq_id)
-
     def past_views(self, shape) -> list[np.ndarray]:
         """The current past reshaped to `shape` (more rows), keeping the existing rows."""
         keep = int(np.prod(self.kv[0].shape)) if self.kv else 0
         return [pair[self.cur].view(shape, keep) for pair in self.store]
 
-    def live_ids(self) -> list[int]:
-        return [s for s in self.seq_ids if s not in self.dead]
+
+class _Storage:
+    """kv_groups.GroupStorage over numpy ping-pong buffers."""
+
+    def __init__(self, num_arrays: int, num_kv_heads: int, head_dim: int):
+        self.num_arrays, self.hkv, self.d = num_arrays, num_kv_heads, head_dim
+
+    def new(self, rows: int, cols: int) -> _PingPong:
+        kv = _PingPong(self.num_arrays)
+        views = kv.next_views((rows, self.hkv, cols, self.d))
+        for v in views:
+            v.fill(0.0)
+        kv.swap(views)
+        return kv
+
+    def add_row(self, kv: _PingPong) -> _PingPong:
+        b, hkv, cols, d = kv.kv[0].shape
+        kv.kv = kv.past_views((b + 1, hkv, cols, d))
+        return kv
+
+    def copy_row(self, dst: _PingPong, row: int, src: _PingPong, src_row: int, cols: np.ndarray) -> None:
+        n = cols.size
+        for a, b in zip(dst.kv, src.kv):
+            a[row, :, :n] = b[src_row][:, cols]
+            a[row, :, n:] = 0.0
 
 
 class OrtRuntime:
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int,
-                 max_seq_len: int, threads: int | None = None, spinning: bool = True,
+                 max_seq_len: int, options: RuntimeOptions = RuntimeOptions(),
                  pad_single_token: bool = False):
         import onnxruntime as ort
 
@@ -145,7 +159,7 @@ class OrtRuntime:
         self.num_layers = num_layers
         self.max_seq_len = max_seq_len
         self.pad_single_token = pad_single_token
-        threads = threads or default_threads()
+        threads, spinning = options.threads or default_threads(), options.spinning
         key = (str(Path(engine_path).resolve()), threads, spinning)
         if _SHARED is not None and key in _SHARED:
             self.session = _SHARED[key]
@@ -155,8 +169,7 @@ class OrtRuntime:
             if _SHARED is not None:
                 _SHARED[key] = self.session
         self._io = self.session.io_binding()
-        self._groups: list[_Group] = []
-        self._where: dict[int, _Group] = {}
+        self.groups = KVGroups(_Storage(2 * num_layers, config.num_kv_heads, config.head_dim))
         self._logits = _Grow()
         self._hidden = _Grow()
         self._lock = threading.Lock()   # one forward at a time; state is not thread safe
@@ -164,27 +177,16 @@ class OrtRuntime:
 
     # --- sequences ---------------------------------------------------------------------------
     def alloc(self, seq_id: int) -> None:
-        assert seq_id not in self._where, f"sequence {seq_id} already allocated"
-        hkv, d = self._kv_shape
-        g = _Group([seq_id], KVLayout(1), 2 * self.num_layers)
-        g.swap(g.next_views((1, hkv, 0, d)))
-        self._groups.append(g)
-        self._where[seq_id] = g
+        self.groups.alloc(seq_id)
 
     def free(self, seq_id: int) -> None:
-        g = self._where.pop(seq_id, None)
-        if g is None:
-            return
-        g.dead.add(seq_id)
-        if not g.live_ids():
-            self._groups.remove(g)
+        self.groups.free(seq_id)
 
     def length(self, seq_id: int) -> int:
-        g = self._where[seq_id]
-        return int(g.layout.lengths[g.row(seq_id)])
+        return self.groups.length(seq_id)
 
     def num_sequences(self) -> int:
-        return len(self._where)
+        return self.groups.num_sequences()
 
     # --- forward / commit --------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -199,11 +201,10 @@ class OrtRuntime:
                                np.array([[parents[0, 0], PAD_PARENT]], np.int32), logits_index, extra)
             return ForwardOutput(out.logits, out.hidden[:, :1])
         with self._lock:
-            g = self._group_for(seq_ids)
-            rows = [g.row(sid) for sid in seq_ids]
+            g, rows = self.groups.group_for(seq_ids)
             full = rows == list(range(len(g.seq_ids)))
             if not full:                  # idle rows of the group: padding in, output dropped
-                input_ids, parents, logits_index, extra_inputs = _spread(
+                input_ids, parents, logits_index, extra_inputs = spread_rows(
                     rows, len(g.seq_ids), input_ids, parents, logits_index, extra_inputs)
                 b = len(g.seq_ids)
             bias, positions = g.layout.forward_inputs(parents)
@@ -221,17 +222,17 @@ class OrtRuntime:
             self._bind_in(io, "logits_index", np.ascontiguousarray(logits_index, np.int64))
             for name, arr in (extra_inputs or {}).items():
                 self._bind_in(io, name, np.ascontiguousarray(arr))
-            presents = g.next_views((b, hkv, cols + t, d))
+            presents = g.kv.next_views((b, hkv, cols + t, d))
             for j, pres in enumerate(presents):
                 kind, layer = ("key" if j % 2 == 0 else "value"), j // 2
-                self._bind_in(io, f"past_{kind}_{layer}", g.kv[j])
+                self._bind_in(io, f"past_{kind}_{layer}", g.kv.kv[j])
                 self._bind_out(io, f"present_{kind}_{layer}", pres)
             logits = self._logits.view((b, logits_index.shape[1], self.config.vocab_size))
             hidden = self._hidden.view((b, t, self.config.hidden_size))
             self._bind_out(io, "logits", logits)
             self._bind_out(io, "hidden", hidden)
             self.session.run_with_iobinding(io)
-            g.swap(presents)                           # the present is the next past
+            g.kv.swap(presents)                        # the present is the next past
             g.layout.append(t)
             if not full:
                 return ForwardOutput(logits[rows], hidden[rows])
@@ -239,100 +240,11 @@ class OrtRuntime:
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
         with self._lock:
-            g = self._where[seq_ids[0]]
-            nodes_of = {}
-            for sid, nodes in zip(seq_ids, keep):
-                assert self._where[sid] is g, "commit must follow a forward over the same sequences"
-                nodes_of[sid] = nodes
-            empty = np.zeros(0, np.int64)
-            for r, sid in enumerate(g.seq_ids):        # idle rows drop their scratch
-                g.layout.commit(r, nodes_of.get(sid, empty))
-            if g.layout.needs_compaction() or len(g.dead) > len(g.seq_ids) // 4:
-                self._regroup(g.live_ids())
+            self.groups.commit(seq_ids, keep)
 
     def truncate(self, seq_id: int, length: int) -> None:
         with self._lock:
-            g = self._where[seq_id]
-            g.layout.truncate(g.row(seq_id), length)
-
-    # --- grouping ----------------------------------------------------------------------------
-    def _group_for(self, seq_ids: list[int]) -> _Group:
-        """The group to run seq_ids in: the largest group holding any of them, with the others
-        moved into its idle rows (or appended) when that is cheap, else a new group."""
-        for s in seq_ids:
-            if s not in self._where:
-                raise KeyError(f"sequence {s} is not allocated")
-        g = max({id(self._where[s]): self._where[s] for s in seq_ids}.values(), key=lambda x: len(x.seq_ids))
-        joiners = [s for s in seq_ids if self._where[s] is not g]
-        if not joiners:
-            if g.seq_ids == list(seq_ids) and not g.dead:
-                return g
-            idle = len(g.seq_ids) - len(seq_ids)
-            if idle <= len(g.seq_ids) // 4 or g.layout.has_scratch():
-                return g                               # run the other rows idle
-            return self._regroup(list(seq_ids))
-        free_rows = [r for r, sid in enumerate(g.seq_ids) if sid in g.dead]
-        rows_after = len(g.seq_ids) + max(0, len(joiners) - len(free_rows))
-        cheap = (rows_after - len(seq_ids) <= rows_after // 4
-                 and all(self.length(s) <= g.layout.num_cols for s in joiners)
-                 and not g.layout.has_scratch()
-                 and not any(self._where[s].layout.has_scratch() for s in joiners))
-        if not cheap:
-            return self._regroup(list(seq_ids))
-        for s in joiners:
-            self._move_in(g, s, free_rows.pop(0) if free_rows else len(g.seq_ids))
-        return g
-
-    def _move_in(self, g: _Group, seq_id: int, row: int) -> None:
-        """Copy seq_id's committed KV into row `row` of g (an idle row, or a new last row)."""
-        src = self._where[seq_id]
-        sr = src.row(seq_id)
-        cols = src.layout.columns(sr)
-        n = cols.size
-        if row == len(g.seq_ids):
-            b, hkv, L, d = g.kv[0].shape
-            g.kv = g.past_views((b + 1, hkv, L, d))
-            g.seq_ids.append(seq_id)
-        else:
-            g.dead.discard(g.seq_ids[row])
-            g.seq_ids[row] = seq_id
-        for dst, old in zip(g.kv, src.kv):
-            dst[row, :, :n] = old[sr][:, cols]
-            dst[row, :, n:] = 0.0                      # garbage must be finite: 0 * v == 0
-        g.layout.place_row(row, n)
-        src.dead.add(seq_id)
-        if not src.live_ids() and src in self._groups:
-            self._groups.remove(src)
-        self._where[seq_id] = g
-
-    def _regroup(self, seq_ids: list[int]) -> _Group:
-        """Copy the committed columns of seq_ids (from wherever they live) into a new group."""
-        assert not any(self._where[s].layout.has_scratch() for s in seq_ids), \
-            "regrouping sequences with uncommitted tokens"
-        lengths = np.array([self.length(s) for s in seq_ids], np.int64)
-        layout = KVLayout(len(seq_ids), lengths)
-        ncols = layout.num_cols
-        src = []
-        for s in seq_ids:
-            g = self._where[s]
-            r = g.row(s)
-            src.append((g, r, g.layout.columns(r)))
-        hkv, d = self._kv_shape
-        new = _Group(seq_ids, layout, 2 * self.num_layers)
-        kv = new.next_views((len(seq_ids), hkv, ncols, d))
-        for j, dst in enumerate(kv):
-            dst.fill(0.0)                     # padding must be finite: masked weight 0 * v == 0
-            for r, (g, gr, cols) in enumerate(src):
-                dst[r, :, : cols.size] = g.kv[j][gr][:, cols]
-        new.swap(kv)
-        for s in seq_ids:
-            old = self._where[s]
-            old.dead.add(s)
-            if not old.live_ids() and old in self._groups:
-                self._groups.remove(old)
-            self._where[s] = new
-        self._groups.append(new)
-        return new
+            self.groups.truncate(seq_id, length)
 
     # --- binding helpers ---------------------------------------------------------------------
     @staticmethod
@@ -347,24 +259,5 @@ class OrtRuntime:
         io.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
 
     def close(self) -> None:
-        self._groups.clear()
-        self._where.clear()
+        self.groups.clear()
         self.session = None
-
-
-def _spread(rows: list[int], b: int, input_ids, parents, logits_index, extra):
-    """Inputs of len(rows) sequences -> inputs of all b rows of their group; the other rows get
-    one padding node each (attends to itself only, never committed)."""
-    t = input_ids.shape[1]
-    ids = np.zeros((b, t), np.int64)
-    par = np.full((b, t), PAD_PARENT, np.int32)
-    idx = np.zeros((b, logits_index.shape[1]), np.int64)
-    ids[rows], par[rows], idx[rows] = input_ids, parents, logits_index
-    ext = None
-    if extra:
-        ext = {}
-        for k, a in extra.items():
-            full = np.zeros((b,) + a.shape[1:], a.dtype)
-            full[rows] = a
-            ext[k] = full
-    return ids, par, idx, ext

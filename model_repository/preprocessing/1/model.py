@@ -1,12 +1,14 @@
 """Triton model `preprocessing`: text_input (+ apply_chat_template) -> input_ids.
 
-It also validates the sampling inputs, so the ensemble refuses a bad request (INVALID_ARG naming
-the field) before the generator starts."""
+It also validates the request (sequence.validate_request, with what it knows here: the engine's
+length), so the ensemble refuses a bad request (INVALID_ARG naming the field) before the
+generator starts; the generator checks the drafter against what it runs."""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import triton_glue, triton_io
 from backend.manifest import EngineManifest
+from backend.sequence import RequestLimits, validate_request
 from backend.tokenizer import Tokenizer
 
 
@@ -15,7 +17,7 @@ class TritonPythonModel:
         cfg = triton_glue.serve_config(args)
         manifest = EngineManifest.load(cfg.engine_dir)
         self.tok = Tokenizer.from_manifest(manifest)
-        self.max_len = manifest.max_seq_len
+        self.limits = RequestLimits(manifest.max_seq_len)
 
     def execute(self, requests):
         responses = []
@@ -24,9 +26,9 @@ class TritonPythonModel:
                 inputs = triton_glue.request_inputs(request)
                 text = triton_io.prompt_text(inputs, self.tok.apply_chat_template)
                 ids = np.asarray(self.tok.encode(text, add_special_tokens=True), np.int32)
-                triton_io.parse(inputs, ids, self.tok.eos_token_ids, self.max_len)
-                batched = inputs[triton_io.TEXT_INPUT].ndim >= 2
-                arrays = {triton_io.INPUT_IDS: ids[None] if batched else ids}
+                parsed = triton_io.parse(inputs, ids)
+                validate_request(parsed.request, self.limits)
+                arrays = {triton_io.INPUT_IDS: ids[None] if parsed.batched else ids}
                 responses.append(pb_utils.InferenceResponse(output_tensors=triton_glue.tensors(pb_utils, arrays)))
             except Exception as exc:
                 responses.append(triton_glue.error_response(
