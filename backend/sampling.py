@@ -1,7 +1,10 @@
 """Target distribution and categorical sampling, shared by plain and speculative decoding.
 
 `target_probs` applies temperature, then top-k, then top-p, then min-p (the order of transformers'
-logits warpers and vLLM's sampler) to one row of logits. Plain decoding samples from exactly this
+logits warpers and vLLM's sampler) to one row of logits. Cut-offs are thresholds on the logit
+value: top-k keeps every token tied with the k-th best, top-p every token tied with the one at
+which the best-first cumulative probability reaches p (vLLM's masks keep ties the same way), so a
+GPU kernel finds the same set by a search over values, with no sort. Plain decoding samples from exactly this
 distribution; speculative verification (verify.py) preserves exactly this distribution.
 
 Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. per token picks token x
@@ -35,7 +38,8 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     z = logits.astype(np.float64) / params.temperature
     keep = None                                               # candidate ids, best first
     if 0 < params.top_k < v:
-        keep = _best_first(z, np.argpartition(-z, params.top_k - 1)[: params.top_k])
+        kth = np.partition(z, v - params.top_k)[v - params.top_k]        # the k-th best value
+        keep = _best_first(z, np.flatnonzero(z >= kth))
     if params.top_p < 1.0:
         keep = _nucleus(z, keep, params.top_p)
     if keep is not None:
@@ -59,11 +63,13 @@ def _best_first(z: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def _nucleus(z: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray:
-    """Smallest best-first set of tokens whose probability reaches top_p."""
+    """The tokens (of `keep`, best first, or of all) whose value is at least that of the token
+    at which the best-first cumulative probability reaches top_p."""
     full = np.exp(z - z.max())
     if keep is not None:
         cum = np.cumsum(full[keep]) / full[keep].sum()
-        return keep[: min(int(np.searchsorted(cum, top_p)) + 1, keep.size)]
+        last = z[keep[min(int(np.searchsorted(cum, top_p)), keep.size - 1)]]
+        return keep[z[keep] >= last]
     total = full.sum()
     for n in _PARTIAL:   # the nucleus is usually small: avoid sorting the whole vocabulary
         if n >= z.size:
@@ -71,10 +77,10 @@ def _nucleus(z: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray
         cand = _best_first(z, np.argpartition(-z, n - 1)[:n])
         cum = np.cumsum(full[cand]) / total
         if cum[-1] >= top_p:
-            return cand[: int(np.searchsorted(cum, top_p)) + 1]
+            return np.flatnonzero(z >= z[cand[int(np.searchsorted(cum, top_p))]])
     order = _best_first(z, np.arange(z.size))
     cum = np.cumsum(full[order]) / total
-    return order[: min(int(np.searchsorted(cum, top_p)) + 1, z.size)]
+    return np.flatnonzero(z >= z[order[min(int(np.searchsorted(cum, top_p)), z.size - 1)]])
 
 
 def sample(p: np.ndarray, exp_noise: np.ndarray) -> int:

@@ -1,24 +1,104 @@
-"""Numpy reference of tree attention: the op contract a GPU kernel is tested against.
+"""The GPU ops' contracts and their numpy references (the spec every kernel is tested against).
 
-q [B, Hq, T, D] (already scaled), k and v [B, Hkv, S, D] (S = past + T, the new tokens last),
-bias [B, T, S] additive (0 visible, very negative masked; tree + padding + past validity).
-GQA: query head h reads KV head h // (Hq / Hkv). Returns [B, Hq, T, D] in float32, computed in
-float64 so it is the exact value the graph's invariant formulation approximates.
+tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale) -> o
+    q        [B, T, Hq, D]   queries of the T new nodes of each row, rotary applied, not scaled
+    k_cache  [S, Hkv, L, D]  one layer's keys, one slot per sequence: a row's committed keys at
+    v_cache  [S, Hkv, L, D]  columns [0, ctx_len), its scratch nodes' keys right after them
+                             (this forward's nodes included: the caller writes them first)
+    slots    [B] int32       the slot of each row
+    ctx_len  [B] int32       committed columns: visible to every node of the row
+    paths    [B, T, P] int32 paths[b, j, i]: scratch index (column ctx_len[b] + index) of node j's
+                             ancestor at depth i, node j itself at i = depth(j), then -1. So node
+                             j sees node i iff i is j or an ancestor of j; a padding node's path
+                             is itself alone (its output is dropped)
+    o        [B, T, Hq, D]   float32. GQA: query head h reads KV head h // (Hq / Hkv).
+    Masked: nothing else. Positions (rotary) come from tree depth: ctx_len + depth, applied by
+    the caller before the keys are written. The kernel reads each node's keys in the order of
+    its own sequence (committed columns, then its path by depth) in blocks aligned at column 0,
+    so its sums do not depend on T, on where padding and rejected columns sit, or on which
+    physical columns hold the path: one verify of T nodes gives a node the bits that a single
+    step along its path gives it.
+
+verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, positions)
+        -> (accepted_nodes, output_ids, num_accepted)
+    logits       [B, T, V] float32  target logits after each node's path
+    tokens       [B, T] int64       tokens[b, 0] is the root (not tested)
+    parents      [B, T] int32       -1 for the root, PAD_PARENT (-2) for padding (after the nodes)
+    temperature  [B] float64 (0 = greedy), top_k [B] int32 (0 = off), top_p [B] float64,
+    min_p [B] float64               the row's SamplingParams
+    seeds        [B] uint64, positions [B] int64: the row's noise key and the output position of
+                                    depth 0; depth d uses sampling.exponentials(seed, position + d)
+    accepted_nodes [B, T] int32 (root first, -1 padded), output_ids [B, T] int64 (accepted draft
+    tokens + the final token, -1 padded), num_accepted [B] int32. Equal to backend/verify.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from backend.config import SamplingParams
+from backend.kv_cache import PAD_PARENT
+from backend.sampling import PositionNoise
+from backend.tree import TokenTree
+from backend.verify import pad_verdicts, verify_tree
 
-def tree_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    assert hq % hkv == 0 and v.shape == k.shape and bias.shape == (b, t, s), (q.shape, k.shape, bias.shape)
-    group = hq // hkv
-    kk = np.repeat(k.astype(np.float64), group, axis=1)
-    vv = np.repeat(v.astype(np.float64), group, axis=1)
-    scores = q.astype(np.float64) @ kk.transpose(0, 1, 3, 2) + bias[:, None].astype(np.float64)
-    scores -= scores.max(-1, keepdims=True)
-    w = np.exp(scores)
-    w /= w.sum(-1, keepdims=True)
-    return (w @ vv).astype(np.float32)
+
+def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
+                       ctx_len: np.ndarray, paths: np.ndarray, scale: float) -> np.ndarray:
+    """Per row: every node against the committed columns and its scratch ancestors, in float64
+    (rounded once to float32, so rows are the same whatever else is in the batch)."""
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert hq % hkv == 0 and v_cache.shape == k_cache.shape and paths.shape[:2] == (b, t), \
+        (q.shape, k_cache.shape, paths.shape)
+    g = hq // hkv
+    out = np.zeros((b, t, hq, d), np.float32)
+    for r in range(b):
+        ctx = int(ctx_len[r])
+        nscratch = int(paths[r].max()) + 1
+        cols = ctx + nscratch
+        k = k_cache[slots[r], :, :cols].astype(np.float64)                  # [Hkv, cols, D]
+        v = v_cache[slots[r], :, :cols].astype(np.float64)
+        visible = np.zeros((t, cols), bool)
+        visible[:, :ctx] = True
+        for j in range(t):
+            path = paths[r, j][paths[r, j] >= 0]
+            visible[j, ctx + path] = True
+        qq = q[r].astype(np.float64).reshape(t, hkv, g, d)
+        s = np.einsum("thgd,hcd->thgc", qq, k) * scale
+        s = np.where(visible[:, None, None, :], s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out[r] = np.einsum("thgc,hcd->thgd", w, v).reshape(t, hq, d).astype(np.float32)
+    return out
+
+
+def verify_ref(logits: np.ndarray, tokens: np.ndarray, parents: np.ndarray, temperature, top_k,
+               top_p, min_p, seeds, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """backend/verify.py per row, in the fixed-shape batch form."""
+    b, t, v = logits.shape
+    verdicts = []
+    for r in range(b):
+        n = int(np.sum(parents[r] != PAD_PARENT))
+        params = SamplingParams(temperature=float(temperature[r]), top_k=int(top_k[r]),
+                                top_p=float(top_p[r]), min_p=float(min_p[r]))
+        noise, pos = PositionNoise(int(seeds[r]), v), int(positions[r])
+        verdicts.append(verify_tree(TokenTree(parents[r, :n]), np.asarray(tokens[r, :n], np.int64),
+                                    logits[r, :n], params, lambda dd: noise.at(pos + dd)))
+    out, num, nodes = pad_verdicts(verdicts, t - 1)
+    return nodes, out, num
+
+
+def paths_of(parents: np.ndarray) -> np.ndarray:
+    """[B, T] parents (one forward, PAD_PARENT padding) -> [B, T, T] paths (the op's input)."""
+    b, t = parents.shape
+    out = np.full((b, t, t), -1, np.int32)
+    for r in range(b):
+        for j in range(t):
+            p = int(parents[r, j])
+            if p < 0:
+                out[r, j, 0] = j
+            else:
+                depth = int(np.sum(out[r, p] >= 0))
+                out[r, j, :depth] = out[r, p, :depth]
+                out[r, j, depth] = j
+    return out

@@ -45,3 +45,14 @@ def test_exponential_race_frequencies():
     counts = np.bincount([sample(p, rng.standard_exponential(4)) for _ in range(40000)], minlength=4)
     np.testing.assert_allclose(counts / counts.sum(), p, atol=0.01)
     assert sample(np.array([0.0, 1.0, 0.0]), np.ones(3)) == 1
+
+
+def test_cut_offs_keep_every_token_tied_at_the_boundary():
+    """Thresholds on the value (as a GPU kernel finds them, by search, and as vLLM masks)."""
+    logits = np.log(np.array([0.3, 0.2, 0.2, 0.2, 0.1], np.float32))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(p, [0.3 / 0.9, 0.2 / 0.9, 0.2 / 0.9, 0.2 / 0.9, 0], rtol=1e-6)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.45))
+    np.testing.assert_allclose(p, [0.3 / 0.9, 0.2 / 0.9, 0.2 / 0.9, 0.2 / 0.9, 0], rtol=1e-6)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.25))
+    np.testing.assert_allclose(p, [1, 0, 0, 0, 0], rtol=1e-6)

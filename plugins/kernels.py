@@ -1,0 +1,288 @@
+"""Triton-language kernels of the ops in plugins/reference.py (contracts there), and launchers
+that take torch tensors. Compiled on a GPU; on a CPU they run in Triton's interpreter
+(TRITON_INTERPRET=1, set before this module is imported; `interpreted()` says which).
+
+tree_attention: one program per (row, node, KV head). The node's GQA query heads (padded to 16
+rows, the smallest tl.dot) read its own key sequence, the committed columns and then its path
+by depth, gathered from the slot cache in blocks of BLOCK_N aligned at column 0; online softmax
+in float32 with IEEE dots. The sums for a node depend only on that sequence, never on T, the
+batch, or where other nodes' columns sit.
+
+verify: one program per row walks its tree: at each node the target's token (argmax; or, sampled,
+argmax of p / E over the kept set, E the Philox noise of the node's output position, made here
+from the row's seed), then the child that carries it. The kept set of top-k / top-p is found by a
+bitwise search over the logit values (32 passes each, no sort), min-p by its ratio; scores are
+float64 like the reference.
+Knows: tensors, kernels. Does not know: requests, models.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # Triton 3.9's default, stated
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BLOCK_N = 32            # keys per step of tree attention
+BLOCK_V = 1024          # vocabulary entries per step of verify
+PHILOX_ROUNDS = 10
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_ptr, scale,
+                          T, P,
+                          sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, so_b, so_t, so_h, sp_b, sp_t,
+                          G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_N: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    b = pid // T
+    j = pid % T
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_ptr + b)
+    pi = tl.arange(0, BLOCK_P)
+    prow = tl.load(paths_ptr + b * sp_b + j * sp_t + pi, mask=pi < P, other=-1)
+    n = ctx + tl.sum((prow >= 0).to(tl.int32), 0)          # the node's own key sequence
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    head = hkv * G + g
+    q = tl.load(q_ptr + b * sq_b + j * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=g[:, None] < G, other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    kv_base = slot * sk_s + hkv * sk_h
+    for start in range(0, n, BLOCK_N):
+        c = start + tl.arange(0, BLOCK_N)
+        valid = c < n
+        in_ctx = c < ctx
+        scratch = tl.load(paths_ptr + b * sp_b + j * sp_t + (c - ctx),
+                          mask=valid & (c >= ctx), other=0)
+        col = tl.where(in_ctx, c, ctx + scratch).to(tl.int64)
+        k = tl.load(k_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(o_ptr + b * so_b + j * so_t + head[:, None] * so_h + d[None, :], o, mask=g[:, None] < G)
+
+
+@triton.jit
+def _philox_word(seed_lo, seed_hi, c0, c1, lane):
+    """Word `lane` (0-3) of Philox4x32-10 of counters (c0, c1, 0, 0), key (seed_lo, seed_hi)."""
+    x0 = c0
+    x1 = c1
+    x2 = tl.zeros_like(c0)
+    x3 = tl.zeros_like(c0)
+    k0 = seed_lo
+    k1 = seed_hi
+    for _ in tl.static_range(10):
+        a0 = x0
+        a2 = x2
+        x0 = tl.umulhi(a2, tl.full(a2.shape, 0xCD9E8D57, tl.uint32)) ^ x1 ^ k0
+        x2 = tl.umulhi(a0, tl.full(a0.shape, 0xD2511F53, tl.uint32)) ^ x3 ^ k1
+        x1 = a2 * tl.full(a2.shape, 0xCD9E8D57, tl.uint32)
+        x3 = a0 * tl.full(a0.shape, 0xD2511F53, tl.uint32)
+        k0 = k0 + tl.full(k0.shape, 0x9E3779B9, tl.uint32)
+        k1 = k1 + tl.full(k1.shape, 0xBB67AE85, tl.uint32)
+    return tl.where(lane == 0, x0, tl.where(lane == 1, x1, tl.where(lane == 2, x2, x3)))
+
+
+@triton.jit
+def _key(x):
+    """float32 -> uint32 whose unsigned order is the float order."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _search(row_ptr, V, kept_key, zmax, inv_t, target, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The largest key k with (count | exp-mass) of {key >= k, key >= kept_key} >= target."""
+    prefix = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        cand = prefix | (tl.full([], 1, tl.uint32) << (31 - bit))
+        total = tl.zeros([], tl.float64)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+            k = _key(x)
+            hit = (offs < V) & (k >= cand) & (k >= kept_key)
+            if BY_MASS:
+                w = tl.exp((x.to(tl.float64) - zmax) * inv_t)
+                total += tl.sum(tl.where(hit, w, 0.0), 0)
+            else:
+                total += tl.sum(hit.to(tl.float64), 0)
+        prefix = tl.where(total >= target, cand, prefix)
+    return prefix
+
+
+@triton.jit
+def _target_token(row_ptr, V, temperature, top_k, top_p, min_p, seed_lo, seed_hi, position,
+                  BLOCK_V: tl.constexpr):
+    """sampling.target_token of one row of logits with the noise of `position`."""
+    best = tl.full([], float("-inf"), tl.float32)
+    arg = tl.zeros([], tl.int32)
+    for v0 in range(0, V, BLOCK_V):                          # argmax, first index on ties
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+        bm = tl.max(x, 0)
+        bi = tl.min(tl.where(x == bm, offs, 2147483647), 0)
+        take = bm > best
+        arg = tl.where(take, bi, arg)
+        best = tl.where(take, bm, best)
+    if temperature > 0.0:
+        zmax = best.to(tl.float64)
+        inv_t = 1.0 / temperature
+        kept = tl.zeros([], tl.uint32)
+        if (top_k > 0) & (top_k < V):
+            kept = _search(row_ptr, V, kept, zmax, inv_t, top_k.to(tl.float64), False, BLOCK_V)
+        if top_p < 1.0:
+            mass = tl.zeros([], tl.float64)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + tl.arange(0, BLOCK_V)
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+                hit = (offs < V) & (_key(x) >= kept)
+                mass += tl.sum(tl.where(hit, tl.exp((x.to(tl.float64) - zmax) * inv_t), 0.0), 0)
+            kept = _search(row_ptr, V, kept, zmax, inv_t, top_p * mass, True, BLOCK_V)
+        best_score = tl.full([], float("-inf"), tl.float64)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+            w = tl.exp((x.to(tl.float64) - zmax) * inv_t)
+            ok = (offs < V) & (_key(x) >= kept) & (w >= min_p)
+            word = _philox_word(seed_lo, seed_hi, (offs // 4).to(tl.uint32),
+                                tl.zeros_like(offs).to(tl.uint32) + position.to(tl.uint32), offs % 4)
+            e = -tl.log((word.to(tl.float64) + 0.5) * 2.3283064365386963e-10)
+            score = tl.where(ok, w / e, float("-inf"))
+            bm = tl.max(score, 0)
+            bi = tl.min(tl.where(score == bm, offs, 2147483647), 0)
+            take = bm > best_score
+            arg = tl.where(take, bi, arg)
+            best_score = tl.where(take, bm, best_score)
+    return arg
+
+
+@triton.jit
+def verify_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+                  seeds_ptr, pos_ptr, nodes_ptr, out_ptr, num_ptr, T, V,
+                  sl_b, sl_t, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    temperature = tl.load(temp_ptr + b)
+    top_k = tl.load(topk_ptr + b)
+    top_p = tl.load(topp_ptr + b)
+    min_p = tl.load(minp_ptr + b)
+    seed = tl.load(seeds_ptr + b)
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    position = tl.load(pos_ptr + b)
+    tj = tl.arange(0, BLOCK_T)
+    toks = tl.load(tokens_ptr + b * T + tj, mask=tj < T, other=-1)
+    pars = tl.load(parents_ptr + b * T + tj, mask=tj < T, other=-3)
+    node = tl.zeros([], tl.int32)
+    depth = tl.zeros([], tl.int32)
+    going = tl.full([], 1, tl.int32)
+    while going == 1:
+        y = _target_token(logits_ptr + b.to(tl.int64) * sl_b + node.to(tl.int64) * sl_t, V,
+                          temperature, top_k, top_p, min_p, seed_lo, seed_hi, position + depth, BLOCK_V)
+        tl.store(nodes_ptr + b * T + depth, node)
+        tl.store(out_ptr + b * T + depth, y.to(tl.int64))
+        child = tl.min(tl.where((pars == node) & (toks == y.to(tl.int64)), tj, BLOCK_T), 0)
+        if child < T:
+            node = child
+            depth += 1
+        else:
+            going = 0
+    tl.store(num_ptr + b, depth)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float):
+    """Launch tree_attention (torch tensors; shapes in plugins/reference.py) -> o [B, T, Hq, D]."""
+    import torch
+
+    b, t, hq, d = q.shape
+    s_, hkv, _, dk = k_cache.shape
+    assert dk == d and d == _next_pow2(d) and d >= 16, f"head_dim {d} must be a power of two >= 16"
+    assert hq % hkv == 0 and paths.shape[:2] == (b, t), (q.shape, k_cache.shape, paths.shape)
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride() and q.stride(3) == 1
+    g = hq // hkv
+    o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
+    paths = paths.contiguous()
+    tree_attention_kernel[(b * t, hkv)](
+        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), t, paths.shape[2],
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), paths.stride(0), paths.stride(1),
+        G=g, BLOCK_G=max(16, _next_pow2(g)), BLOCK_P=max(16, _next_pow2(paths.shape[2])),
+        BLOCK_N=BLOCK_N, D=d)
+    return o
+
+
+def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, positions):
+    """Launch verify (torch tensors; contract in plugins/reference.py) ->
+    (accepted_nodes [B, T] int32, output_ids [B, T] int64, num_accepted [B] int32), -1 padded."""
+    import torch
+
+    b, t, v = logits.shape
+    assert logits.stride(2) == 1 and tokens.shape == (b, t) and parents.shape == (b, t)
+    dev = logits.device
+    nodes = torch.full((b, t), -1, dtype=torch.int32, device=dev)
+    out = torch.full((b, t), -1, dtype=torch.int64, device=dev)
+    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    verify_kernel[(b,)](
+        logits, tokens.to(torch.int64).contiguous(), parents.to(torch.int32).contiguous(),
+        temperature.to(torch.float64), top_k.to(torch.int32), top_p.to(torch.float64),
+        min_p.to(torch.float64), seeds.to(torch.int64), positions.to(torch.int64),
+        nodes, out, num, t, v, logits.stride(0), logits.stride(1),
+        BLOCK_T=max(16, _next_pow2(t)), BLOCK_V=min(BLOCK_V, _next_pow2(v)))
+    return nodes, out, num
+
+
+_STRIDES = ("sq_b", "sq_t", "sq_h", "sk_s", "sk_h", "sk_l", "so_b", "so_t", "so_h", "sp_b", "sp_t")
+
+
+def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> dict:
+    """Kernel name -> (jit function, signature, constexprs) of the variants the GPU runtime
+    launches, for compiling ahead of time (CI's PTX check, TensorRT plugins)."""
+    attn = {"q_ptr": f"*{kv_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}", "o_ptr": "*fp32",
+            "slots_ptr": "*i32", "ctx_ptr": "*i32", "paths_ptr": "*i32", "scale": "fp32", "T": "i32",
+            "P": "i32", **{n: "i32" for n in _STRIDES}, "G": "constexpr", "BLOCK_G": "constexpr",
+            "BLOCK_P": "constexpr", "BLOCK_N": "constexpr", "D": "constexpr"}
+    ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp64",
+           "topk_ptr": "*i32", "topp_ptr": "*fp64", "minp_ptr": "*fp64", "seeds_ptr": "*i64",
+           "pos_ptr": "*i64", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32", "T": "i32",
+           "V": "i32", "sl_b": "i64", "sl_t": "i64", "BLOCK_T": "constexpr", "BLOCK_V": "constexpr"}
+    return {
+        "tree_attention": (tree_attention_kernel, attn,
+                           {"G": group, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_P": 16,
+                            "BLOCK_N": BLOCK_N, "D": head_dim}),
+        "verify": (verify_kernel, ver, {"BLOCK_T": 32, "BLOCK_V": BLOCK_V}),
+    }
+
+
+def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
+    """PTX of one kernel for sm_<arch>, compiled on this machine (an explicit target needs no
+    GPU) -> (ptx text, kernel symbol name). Not in an interpreted process: its kernels are
+    interpreter functions (run it in a process without TRITON_INTERPRET)."""
+    assert not interpreted(), "compile_ptx needs a process without TRITON_INTERPRET=1"
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, consts = signatures(**variant)[name]
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32))
+    return compiled.asm["ptx"], compiled.metadata.name

@@ -1,0 +1,138 @@
+"""The Triton-language kernels against their numpy references (in Triton's interpreter on a CPU,
+compiled where a GPU is), over T = 1, chains, branching trees, padded rows, GQA ratios 1-4,
+contexts crossing block boundaries; attention's bitwise independence of T and of where columns
+sit; and every kernel compiled to PTX for sm_90 (an explicit target needs no GPU), so an error
+on the real compiler path fails CI."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from plugins import kernels as K  # noqa: E402
+from plugins.reference import paths_of, tree_attention_ref, verify_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def t(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+
+
+def attention(q, kc, vc, slots, ctx, paths, scale, dtype=torch.float32):
+    o = K.tree_attention(t(q).to(dtype), t(kc).to(dtype), t(vc).to(dtype), t(slots), t(ctx), t(paths), scale)
+    return o.cpu().numpy()
+
+
+TREES = {
+    "single": [[-1]],
+    "chain4": [[-1, 0, 1, 2]],
+    "tree7": [[-1, 0, 0, 1, 1, 2, 3]],
+    "padded": [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, -2, -2, -2], [-1, -2, -2, -2, -2, -2]],
+}
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("hq,hkv,d,ctxs", [(4, 4, 16, (0, 31)), (4, 2, 32, (32, 5)), (6, 2, 16, (33, 70)),
+                                          (8, 2, 64, (1, 64))], ids=["mha", "gqa2", "gqa3", "gqa4"])
+def test_tree_attention_matches_the_reference(tree, hq, hkv, d, ctxs):
+    rng = np.random.default_rng(hash((tree, hq, d)) % 2 ** 32)
+    parents = np.array(TREES[tree], np.int32)
+    b, tt = parents.shape
+    slots = rng.permutation(5)[:b].astype(np.int32)
+    ctx = np.array([ctxs[i % 2] for i in range(b)], np.int32)
+    q = rng.standard_normal((b, tt, hq, d)).astype(np.float32)
+    kc = rng.standard_normal((5, hkv, 96, d)).astype(np.float32)
+    vc = rng.standard_normal((5, hkv, 96, d)).astype(np.float32)
+    paths = paths_of(parents)
+    ref = tree_attention_ref(q, kc, vc, slots, ctx, paths, d ** -0.5)
+    got = attention(q, kc, vc, slots, ctx, paths, d ** -0.5)
+    assert np.abs(got - ref).max() < 1e-5
+    half = attention(q, kc, vc, slots, ctx, paths, d ** -0.5, torch.float16)
+    ref16 = tree_attention_ref(*(x.astype(np.float16).astype(np.float32) for x in (q, kc, vc)), slots, ctx, paths, d ** -0.5)
+    assert np.abs(half - ref16).max() < 1e-3
+
+
+def test_tree_attention_bits_do_not_depend_on_t_or_where_the_path_sits():
+    """One verify over a tree equals, bit for bit, single steps along each node's path with the
+    path committed in order (the columns the path occupies and the other nodes do not matter)."""
+    rng = np.random.default_rng(7)
+    hq, hkv, d, ctx = 6, 2, 32, 45
+    parents = np.array([[-1, 0, 0, 1, 2, 3, 3, 5]], np.int32)
+    tt = parents.shape[1]
+    kc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
+    vc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
+    q = rng.standard_normal((1, tt, hq, d)).astype(np.float32)
+    paths = paths_of(parents)
+    verify = attention(q, kc, vc, np.array([0], np.int32), np.array([ctx], np.int32), paths, 0.2)
+    for j in range(tt):
+        path = paths[0, j][paths[0, j] >= 0]
+        k1, v1 = kc.copy(), vc.copy()            # slot 1: the path committed after the context
+        k1[1, :, :ctx], v1[1, :, :ctx] = kc[0, :, :ctx], vc[0, :, :ctx]
+        k1[1, :, ctx:ctx + path.size] = kc[0][:, ctx + path]
+        v1[1, :, ctx:ctx + path.size] = vc[0][:, ctx + path]
+        single = attention(q[:, j:j + 1], k1, v1, np.array([1], np.int32),
+                           np.array([ctx + path.size - 1], np.int32), np.array([[[0]]], np.int32), 0.2)
+        assert np.array_equal(single[0, 0], verify[0, j]), j
+
+
+def _verify_case(rng, v, parents, params, tie=False):
+    b, tt = parents.shape
+    logits = (rng.standard_normal((b, tt, v)) * 2.5).astype(np.float32)
+    if tie:                                     # exact ties around the cut-offs
+        logits = np.round(logits, 1)
+    tokens = rng.integers(0, v, (b, tt))
+    for r in range(b):                          # children that are often the target's token
+        for j in range(1, tt):
+            if parents[r, j] >= 0 and (r == 0 or rng.random() < 0.6):   # row 0: greedy, all
+                tokens[r, j] = int(np.argmax(logits[r, parents[r, j]]))
+    temp, topk, topp, minp = (np.array([p[i] for p in params]) for i in range(4))
+    seeds = rng.integers(0, 2 ** 63, b, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    pos = rng.integers(0, 4000, b)
+    return logits, tokens, parents, temp, topk.astype(np.int32), topp, minp, seeds, pos
+
+
+PARAMS = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (0.9, 0, 0.8, 0.0),
+          (1.3, 0, 1.0, 0.1), (0.8, 25, 0.9, 0.02)]
+
+
+@pytest.mark.parametrize("v,tie", [(300, False), (2500, False), (333, True)], ids=["v300", "v2500", "ties"])
+def test_verify_matches_backend_verify_for_the_same_noise(v, tie):
+    rng = np.random.default_rng(v)
+    parents = np.array([[-1, 0, 1, 2, 3, -2], [-1, 0, 0, 1, 2, 4], [-1, -2, -2, -2, -2, -2],
+                        [-1, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 2, 3, 4]], np.int32)
+    case = _verify_case(rng, v, parents, PARAMS, tie)
+    ref = verify_ref(*case)
+    logits, tokens, parents, temp, topk, topp, minp, seeds, pos = case
+    got = K.verify(t(logits), t(tokens), t(parents), t(temp), t(topk), t(topp), t(minp),
+                   t(seeds.view(np.int64)), t(pos))
+    for g, r in zip(got, ref):
+        assert g.cpu().numpy().tolist() == r.tolist()
+    assert ref[2].max() >= 2                     # some rows accepted a path
+
+
+def _compiles(name, **variant):
+    """In a process of its own: this one may run the kernels in the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from plugins.kernels import compile_ptx; "
+            f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r}); "
+            "sys.exit(0 if '.target sm_90' in ptx and ('.entry ' + sym) in ptx else 3)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return True
+
+
+@pytest.mark.parametrize("variant", [dict(kv_dtype="fp32", head_dim=64, group=3),
+                                     dict(kv_dtype="bf16", head_dim=128, group=4)], ids=["fp32-d64", "bf16-d128"])
+def test_tree_attention_compiles_to_ptx_for_sm90(variant):
+    assert _compiles("tree_attention", **variant)
+
+
+def test_verify_compiles_to_ptx_for_sm90():
+    assert _compiles("verify")
