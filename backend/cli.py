@@ -1,4 +1,5 @@
-"""`specdec` command line: build, serve, generate, bench, bench-engine, train-draft."""
+"""`specdec` command line: build, serve, generate, bench, bench-engine, train-draft, check-kernels,
+quality."""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +15,13 @@ DEFAULT_REPO = "model_repository"
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--weights", default="fp32,q4",
-                   help="weight formats to build, comma separated: fp32, q4 (first = serving default)")
-    p.add_argument("--default-format", default=None, choices=["fp32", "q4"],
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: ONNX Runtime graphs; cuda: torch + Triton kernels (built on the GPU "
+                        "that serves; without a GPU, for this CPU)")
+    p.add_argument("--weights", default=None,
+                   help="weight formats to build, comma separated (first = serving default): "
+                        "fp32, q4 for cpu (default fp32,q4); fp32, bf16, fp8 for cuda (default bf16,fp8)")
+    p.add_argument("--default-format", default=None, choices=["fp32", "q4", "bf16", "fp8"],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
@@ -36,7 +40,8 @@ def cmd_build(args) -> int:
     from backend.build.pipeline import BuildConfig, build
     from backend.manifest import Device, WeightFormat
 
-    weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip())
+    weights = tuple(WeightFormat(w.strip()) for w in
+                    (args.weights or ("bf16,fp8" if args.device == "cuda" else "fp32,q4")).split(",") if w.strip())
     cfg = BuildConfig(
         target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
         default_format=WeightFormat(args.default_format) if args.default_format else None,
@@ -97,6 +102,23 @@ def cmd_bench_engine(args) -> int:
                      Path(args.plot) if args.plot else None,
                      formats=args.formats.split(",") if args.formats else None, reps=args.reps,
                      max_new=args.max_new_tokens, quick=args.quick)
+    return 0
+
+
+def cmd_check_kernels(args) -> int:
+    from backend.bench import kernel_check
+
+    result = kernel_check.run(args.json)
+    return 0 if all(k["ok"] for k in result["kernels"]) else 1
+
+
+def cmd_quality(args) -> int:
+    from backend.bench import quality
+
+    prompts = _prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    quality.run(str(_engine_dir(args)), args.format, args.reference, prompts, args.max_new_tokens, args.json)
     return 0
 
 
@@ -258,6 +280,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     p.set_defaults(func=cmd_bench_engine)
+
+    p = sub.add_parser("check-kernels", help="every GPU kernel against its reference on this machine")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_check_kernels)
+
+    p = sub.add_parser("quality", help="teacher-forced top-1 agreement and KL of a weight format")
+    p.add_argument("--model-repository", default=DEFAULT_REPO,
+                   help="a repository built with --device cuda and both formats")
+    p.add_argument("--format", default="fp8")
+    p.add_argument("--reference", default="fp32")
+    p.add_argument("--prompts", default=default_prompts())
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_quality)
 
     args = ap.parse_args(argv)
     return args.func(args)

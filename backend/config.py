@@ -93,6 +93,8 @@ class RuntimeOptions:
 
     threads: int | None = None              # CPU threads (None: SPECDEC_THREADS or min(2, cores))
     spinning: bool = True                   # CPU threads spin between forwards
+    max_sequences: int | None = None        # torch runtime: KV slots (None: 64 on a GPU, 16 on CPU)
+    cuda_graphs: bool = True                # torch runtime on a GPU: replay the decode step
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from backend.sequence import (Request, RequestLimits, SequenceState, StepOutput,
                               validate_request)
 from backend.stats import SpecStats
 from backend.tokenizer import Tokenizer
-from backend.verify import verify_tree
 
 
 class SpecDecoder:
@@ -93,6 +92,10 @@ class SpecDecoder:
             seq.prompt_hidden = None
         return seq.accept([first])
 
+    def room(self) -> int:
+        """How many more sequences the target's KV can hold now."""
+        return self.target.room()
+
     def finish(self, seq: SequenceState) -> None:
         self.target.free(seq.seq_id)
         self.controller.forget(seq)
@@ -121,9 +124,8 @@ class SpecDecoder:
         t1 = time.perf_counter()
         ids, parents, index = _pack(drafts)
         fwd = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
-        verdicts = [verify_tree(d.tree, d.tokens, fwd.logits[b, : d.tree.num_nodes], s.params,
-                                s.position_noise)
-                    for b, (s, d) in enumerate(zip(seqs, drafts))]
+        verdicts = self.target.verify(fwd, drafts, [s.params for s in seqs], [s.noise for s in seqs],
+                                      [len(s.output_ids) for s in seqs])
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
         self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1)

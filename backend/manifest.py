@@ -19,12 +19,18 @@ MANIFEST_VERSION = 1
 
 class WeightFormat(str, enum.Enum):
     FP32 = "fp32"  # exact: every weight dequantized to float32
-    Q4 = "q4"      # 4-bit MatMulNBits; GGUF blocks repacked exactly (see build/quant.py)
+    Q4 = "q4"      # 4-bit MatMulNBits; GGUF blocks repacked exactly (see build/quant.py) (cpu)
+    BF16 = "bf16"  # bfloat16 weights (cuda)
+    FP8 = "fp8"    # float8 E4M3, per-output-channel weight and per-tensor activation scales (cuda)
 
 
 class Device(str, enum.Enum):
-    CPU = "cpu"
-    GPU = "gpu"
+    CPU = "cpu"    # ONNX Runtime graphs (runtime/ort.py)
+    CUDA = "cuda"  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
+
+
+FORMATS = {Device.CPU: (WeightFormat.FP32, WeightFormat.Q4),
+           Device.CUDA: (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8)}
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class EngineManifest:
     tool_versions: dict[str, str]
     drafts: dict[str, DraftEntry] = field(default_factory=dict)
     cost_model: dict | None = None          # measured forward costs (controller.CostModel)
+    gpu: dict | None = None                 # cuda: the GPU built for (name, compute_capability,
+                                            # library versions); None: built on a CPU
     version: int = MANIFEST_VERSION
     root: Path | None = None                # directory the manifest was loaded from (not saved)
 
@@ -134,6 +142,7 @@ class EngineManifest:
             "tool_versions": self.tool_versions,
             "drafts": {k: dataclasses.asdict(v) for k, v in self.drafts.items()},
             "cost_model": self.cost_model,
+            "gpu": self.gpu,
         }
 
     def save(self, directory: Path) -> Path:
@@ -168,6 +177,7 @@ class EngineManifest:
             tool_versions=d.get("tool_versions", {}),
             drafts={k: DraftEntry(**v) for k, v in d.get("drafts", {}).items()},
             cost_model=d.get("cost_model"),
+            gpu=d.get("gpu"),
             root=path.parent.resolve(),
         )
 

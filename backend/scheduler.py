@@ -53,6 +53,7 @@ class Scheduler:
         self.metrics = metrics
         self._incoming: queue.Queue[_Entry] = queue.Queue()
         self._stop_keys: queue.Queue[str] = queue.Queue()
+        self._waiting: collections.deque[_Entry] = collections.deque()    # no KV room yet
         self._prefilling: collections.deque[_Entry] = collections.deque()
         self._active: list[_Entry] = []
         self._idle_wait = idle_wait_s
@@ -75,13 +76,13 @@ class Scheduler:
         return len(self._active) + len(self._prefilling)
 
     def has_work(self) -> bool:
-        return bool(self._active or self._prefilling or not self._incoming.empty())
+        return bool(self._active or self._prefilling or self._waiting or not self._incoming.empty())
 
     def close(self) -> None:
         self._running = False
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        for e in list(self._prefilling) + self._active:
+        for e in list(self._waiting) + list(self._prefilling) + self._active:
             self._finish(e, cancelled=True)
 
     # --- the loop ----------------------------------------------------------------------------
@@ -103,11 +104,17 @@ class Scheduler:
             self._step()
 
     def _admit(self, block: bool) -> None:
+        """Start new requests while the decoder has KV room; the rest wait in order."""
         try:
-            entry = self._incoming.get(timeout=self._idle_wait) if block else self._incoming.get_nowait()
+            entry = self._incoming.get(timeout=self._idle_wait) if block and not self._waiting \
+                else self._incoming.get_nowait()
+            while True:
+                self._waiting.append(entry)
+                entry = self._incoming.get_nowait()
         except queue.Empty:
-            return
-        while True:
+            pass
+        while self._waiting and self.decoder.room() > 0:
+            entry = self._waiting.popleft()
             try:
                 entry.seq = self.decoder.start(entry.request)
                 self._prefilling.append(entry)
@@ -118,17 +125,13 @@ class Scheduler:
                 log.exception("start failed")
                 entry.sink.error(exc, internal=True)
                 entry.sink.close()
-            try:
-                entry = self._incoming.get_nowait()
-            except queue.Empty:
-                break
         self._set_active_gauge()
 
     def _drop_cancelled(self) -> None:
         stop = set()
         while not self._stop_keys.empty():
             stop.add(self._stop_keys.get_nowait())
-        for e in list(self._prefilling) + list(self._active):
+        for e in list(self._waiting) + list(self._prefilling) + list(self._active):
             if (e.key and e.key in stop) or e.sink.cancelled():
                 self._finish(e, cancelled=True)
 
@@ -177,10 +180,9 @@ class Scheduler:
             self._finish(e)
 
     def _finish(self, e: _Entry, cancelled: bool = False) -> None:
-        if e in self._active:
-            self._active.remove(e)
-        if e in self._prefilling:
-            self._prefilling.remove(e)
+        for queue_ in (self._active, self._prefilling, self._waiting):
+            if e in queue_:
+                queue_.remove(e)
         if e.seq is not None:
             if cancelled and not e.seq.finished:
                 e.seq.cancel()

@@ -75,7 +75,7 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
-    o = acc / l[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]          # a padding node sees nothing: 0
     tl.store(o_ptr + b * so_b + j * so_t + head[:, None] * so_h + d[None, :], o, mask=g[:, None] < G)
 
 

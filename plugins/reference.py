@@ -9,8 +9,8 @@ tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale) -> o
     ctx_len  [B] int32       committed columns: visible to every node of the row
     paths    [B, T, P] int32 paths[b, j, i]: scratch index (column ctx_len[b] + index) of node j's
                              ancestor at depth i, node j itself at i = depth(j), then -1. So node
-                             j sees node i iff i is j or an ancestor of j; a padding node's path
-                             is itself alone (its output is dropped)
+                             j sees node i iff i is j or an ancestor of j. A padding node's path
+                             is empty: it sees nothing, and its output is 0
     o        [B, T, Hq, D]   float32. GQA: query head h reads KV head h // (Hq / Hkv).
     Masked: nothing else. Positions (rotary) come from tree depth: ctx_len + depth, applied by
     the caller before the keys are written. The kernel reads each node's keys in the order of
@@ -54,7 +54,7 @@ def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     out = np.zeros((b, t, hq, d), np.float32)
     for r in range(b):
         ctx = int(ctx_len[r])
-        nscratch = int(paths[r].max()) + 1
+        nscratch = int(paths[r].max()) + 1 if paths[r].max() >= 0 else 0
         cols = ctx + nscratch
         k = k_cache[slots[r], :, :cols].astype(np.float64)                  # [Hkv, cols, D]
         v = v_cache[slots[r], :, :cols].astype(np.float64)
@@ -66,8 +66,8 @@ def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
         qq = q[r].astype(np.float64).reshape(t, hkv, g, d)
         s = np.einsum("thgd,hcd->thgc", qq, k) * scale
         s = np.where(visible[:, None, None, :], s, -np.inf)
-        w = np.exp(s - s.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
+        w = np.exp(s - np.maximum(s.max(-1, keepdims=True), -1e300))
+        w /= np.maximum(w.sum(-1, keepdims=True), 1e-300)          # nothing visible: 0
         out[r] = np.einsum("thgc,hcd->thgd", w, v).reshape(t, hq, d).astype(np.float32)
     return out
 
@@ -89,12 +89,14 @@ def verify_ref(logits: np.ndarray, tokens: np.ndarray, parents: np.ndarray, temp
 
 
 def paths_of(parents: np.ndarray) -> np.ndarray:
-    """[B, T] parents (one forward, PAD_PARENT padding) -> [B, T, T] paths (the op's input)."""
+    """[B, T] parents (one forward, PAD_PARENT padding: empty) -> [B, T, T] paths (the op's input)."""
     b, t = parents.shape
     out = np.full((b, t, t), -1, np.int32)
     for r in range(b):
         for j in range(t):
             p = int(parents[r, j])
+            if p == PAD_PARENT:
+                continue
             if p < 0:
                 out[r, j, 0] = j
             else:

@@ -1,36 +1,13 @@
 """EAGLE draft head: its ONNX export equals the torch model; dynamic trees are valid; greedy
 EAGLE speculation is token-identical to plain decoding; verification of the head's trees keeps
 the target distribution."""
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
-from backend.manifest import EngineManifest
-from conftest import chain, make_tiny_checkpoint
+from conftest import chain, make_tiny_checkpoint, random_head
 
 torch = pytest.importorskip("torch")
-
-
-def random_head(manifest: EngineManifest, out: Path, vocab_size: int, seed: int = 0) -> Path:
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
-    from backend.train.eagle_model import EagleHead
-    from backend.train.eagle_train import save_head
-
-    torch.manual_seed(seed)
-    mc = manifest.model
-    ck = load_checkpoint(manifest.source)
-    vocab = np.sort(np.random.default_rng(seed).choice(mc.vocab_size, vocab_size, replace=False))
-    cfg = {"hidden_size": mc.hidden_size, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
-           "head_dim": mc.head_dim, "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
-           "rope_theta": mc.rope_theta, "draft_vocab_size": vocab_size, "target_vocab_size": mc.vocab_size}
-    cos, sin = rope_tables(mc, manifest.max_seq_len)
-    embed = ck.tensor("embed").float32()
-    model = EagleHead(cfg, embed, embed[vocab], cos, sin)
-    save_head(out, model, cfg, vocab, manifest, {})
-    return out
 
 
 @pytest.fixture(scope="module")

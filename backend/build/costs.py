@@ -119,6 +119,7 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
     from backend.engine import default_draft_model
     from backend.runtime import load_runtime
 
+    context = min(context, manifest.max_seq_len - GRID[-1] - 1, (manifest.max_seq_len - 1) // 2)  # tiny engines
     rt = load_runtime(manifest)
     shapes = [_Shape(rt, 1, m, context, 20_000 + 10 * i) for i, m in enumerate(GRID)]
     shapes.append(_Shape(rt, 4, 1, context, 30_000))

@@ -14,7 +14,7 @@ from pathlib import Path
 from backend.build import checkpoint as ckpt_mod
 from backend.build.graph import GraphSpec, build_decoder, save_model
 from backend.build.templates import fill_repository
-from backend.manifest import DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
+from backend.manifest import FORMATS, DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
 
 ENGINE_SUBDIR = "specdec/engine"     # inside the model repository, shared by all models
 
@@ -49,7 +49,7 @@ def _tool_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
-    for pkg in ("specdec", "onnx", "onnxruntime", "gguf", "tokenizers", "numpy"):
+    for pkg in ("specdec", "onnx", "onnxruntime", "gguf", "tokenizers", "numpy", "torch", "triton"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -58,9 +58,10 @@ def _tool_versions() -> dict[str, str]:
 
 
 def build(cfg: BuildConfig) -> EngineManifest:
-    if cfg.device is not Device.CPU:
-        raise BuildError("--device gpu: TensorRT engines are not part of this release (no GPU "
-                         "toolchain is bundled); build with --device cpu")
+    wrong = [w.value for w in cfg.weights if w not in FORMATS[cfg.device]]
+    if wrong:
+        raise BuildError(f"--weights {','.join(wrong)}: not a format of --device {cfg.device.value} "
+                         f"(formats: {', '.join(w.value for w in FORMATS[cfg.device])})")
     t_start = time.time()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
     source = cfg.target
@@ -78,14 +79,6 @@ def build(cfg: BuildConfig) -> EngineManifest:
         f"{ck.config.vocab_size}, {ck.file_type}) in {time.time() - t0:.1f}s")
     max_seq = min(cfg.max_seq_len, ck.config.max_position_embeddings)
 
-    engines: dict[str, EngineFile] = {}
-    timings: dict[str, float] = {}
-    for fmt in cfg.weights:
-        t0 = time.time()
-        engines[fmt.value] = _export(ck, fmt, ck.config.num_layers, max_seq, engine_dir,
-                                     f"target_{fmt.value}", cfg.quiet)
-        timings[fmt.value] = time.time() - t0
-
     tok_path = engine_dir / "tokenizer.json"
     from backend.tokenizer import tokenizer_json_from_gguf
 
@@ -94,17 +87,37 @@ def build(cfg: BuildConfig) -> EngineManifest:
     (engine_dir / "tokenizer_meta.json").write_text(json.dumps(
         {"add_bos_token": ck.tokenizer.add_bos_token}) + "\n")
 
+    engines: dict[str, EngineFile] = {}
+    timings: dict[str, float] = {}
     drafts: dict[str, DraftEntry] = {}
-    for spec in cfg.drafts:
-        name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log)
-        drafts[name] = entry
+    gpu = None
+    default_format = cfg.default_format or cfg.weights[0]
+    if cfg.device is Device.CUDA:
+        from backend.build import torch_engine
+
+        gpu = torch_engine.gpu_info()
+        log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']})" if gpu else
+            "no CUDA device: the torch engines are built for this CPU (tests, FP8 quality); "
+            "a GPU server needs the build run on its GPU")
+        engines, timings = torch_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
+        for spec in cfg.drafts:
+            name, entry = torch_engine.build_draft(spec, ck, engines[default_format.value], max_seq, engine_dir, log)
+            drafts[name] = entry
+    else:
+        for fmt in cfg.weights:
+            t0 = time.time()
+            engines[fmt.value] = _export(ck, fmt, ck.config.num_layers, max_seq, engine_dir,
+                                         f"target_{fmt.value}", cfg.quiet)
+            timings[fmt.value] = time.time() - t0
+        for spec in cfg.drafts:
+            name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log)
+            drafts[name] = entry
 
     manifest = EngineManifest(
-        model=ck.config, engines=engines,
-        default_format=cfg.default_format or cfg.weights[0],
+        model=ck.config, engines=engines, default_format=default_format,
         device=cfg.device, max_seq_len=max_seq, tokenizer_path="tokenizer.json",
         chat_template=ck.tokenizer.chat_template, source=str(source),
-        tool_versions=_tool_versions(), drafts=drafts, root=engine_dir.resolve())
+        tool_versions=_tool_versions(), drafts=drafts, gpu=gpu, root=engine_dir.resolve())
     manifest.save(engine_dir)
     if cfg.check_invariance:
         from backend.build.check import measure_invariance
@@ -154,6 +167,7 @@ def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:
         "max_seq_len": m.max_seq_len,
         "drafts": ",".join(sorted(m.drafts)) or "none",
         "default_drafter": cfg.extra.get("default_drafter", "auto"),
+        "instance_kind": "KIND_GPU" if m.gpu else "KIND_CPU",
     }
 
 

@@ -7,31 +7,63 @@ from backend.config import RuntimeOptions
 from backend.manifest import Device, EngineManifest, ModelConfig, WeightFormat
 from backend.runtime.base import ForwardOutput, Runtime
 
-__all__ = ["ForwardOutput", "Runtime", "RuntimeOptions", "load_runtime", "TARGET"]
+__all__ = ["ForwardOutput", "Runtime", "RuntimeOptions", "load_runtime", "check_device", "TARGET"]
 
 TARGET = "target"
+
+
+def _rebuild(manifest: EngineManifest) -> str:
+    return (f"python build_engines.py --device cuda --weights {','.join(manifest.engines)} "
+            f"--target {manifest.source} --output <model repository>")
+
+
+def check_device(manifest: EngineManifest) -> str:
+    """The torch device a cuda manifest runs on here: "cuda" on the GPU model it was built for,
+    "cpu" for a build made without a GPU (on a machine without one); anything else is refused
+    with the command that rebuilds for this machine."""
+    import torch
+
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    built = manifest.gpu
+    if built is None:
+        if here is not None:
+            raise RuntimeError(f"the engines in {manifest.root} were built without a GPU; this "
+                               f"machine has {here}: rebuild here with `{_rebuild(manifest)}`")
+        return "cpu"
+    if here is None:
+        raise RuntimeError(f"the engines in {manifest.root} were built for {built['name']} "
+                           f"(sm {built['compute_capability']}); this machine has no CUDA device")
+    major, minor = torch.cuda.get_device_capability(0)
+    if here != built["name"] or f"{major}.{minor}" != built["compute_capability"]:
+        raise RuntimeError(f"the engines in {manifest.root} were built for {built['name']} "
+                           f"(sm {built['compute_capability']}); this machine has {here} "
+                           f"(sm {major}.{minor}): rebuild with `{_rebuild(manifest)}`")
+    return "cuda"
 
 
 def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None, *,
                  engine: str = TARGET, options: RuntimeOptions | None = None) -> Runtime:
     """A runtime over one engine of `manifest`: the target in weight format `fmt` (default: the
     manifest's), or a draft engine by its manifest name (`--draft PATH` -> "model",
-    `--draft self:N` -> "selfN", `--draft eagle:DIR` -> "eagle")."""
+    `--draft self:N` -> "selfN", `--draft eagle:DIR` -> "eagle"). The manifest's device picks
+    the runtime: ONNX Runtime (cpu) or torch with the Triton kernels (cuda)."""
     options = options or RuntimeOptions()
-    if manifest.device is not Device.CPU:
-        raise ValueError(f"engine device {manifest.device.value!r} has no runtime in this build")
-    from backend.runtime.ort import OrtRuntime
-
     if engine == TARGET:
         ef = manifest.engine(fmt)
-        return OrtRuntime(manifest.resolve(ef.path), manifest.model, ef.num_layers, manifest.max_seq_len,
-                          options, pad_single_token=ef.pad_single_token)
-    if engine not in manifest.drafts:
-        raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
-    d = manifest.drafts[engine]
-    if d.kind == "eagle":
-        cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+        path, cfg, layers, pad = manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token
     else:
-        cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
-    return OrtRuntime(manifest.resolve(d.path), cfg, d.num_layers, manifest.max_seq_len, options,
-                      pad_single_token=bool(d.extra.get("pad_single_token", False)))
+        if engine not in manifest.drafts:
+            raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
+        d = manifest.drafts[engine]
+        if d.kind == "eagle":
+            cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+        else:
+            cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
+        path, layers, pad = manifest.resolve(d.path), d.num_layers, bool(d.extra.get("pad_single_token", False))
+    if manifest.device is Device.CUDA:
+        from backend.runtime.torch_rt import TorchRuntime
+
+        return TorchRuntime(path, cfg, layers, manifest.max_seq_len, options, check_device(manifest))
+    from backend.runtime.ort import OrtRuntime
+
+    return OrtRuntime(path, cfg, layers, manifest.max_seq_len, options, pad_single_token=pad)

@@ -1,32 +1,61 @@
 """The Runtime protocol: what the decoder and drafters may ask of an engine.
 
 A runtime runs one decoder graph (target or draft) over batches of sequences it keeps KV for.
-Everything above this line (decoder, drafters, scheduler, verification) is device-agnostic and
-only handles small host arrays: token ids, tree parents, accepted node lists.
+Everything above this line (decoder, drafters, scheduler) is device-agnostic and only handles
+small host arrays: token ids, tree parents, accepted node lists.
 
-    alloc(seq_id) / free(seq_id)      a sequence's KV storage
+    alloc(seq_id) / free(seq_id)      a sequence's KV storage; room(): how many more fit
     forward(seq_ids, input_ids, parents, logits_index)
                                       one pass over T new tokens per sequence (a token tree per
                                       row); their KV is pending until commit. Parents may also
                                       name nodes of earlier forwards since the last commit
                                       (a drafter growing a tree level by level)
+    verify(out, drafts, params, noises, positions)
+                                      the accepted path of each row's draft under the forward
+                                      `out` (backend/verify.py); a device runtime runs it where
+                                      the logits are, so only the accepted paths cross to the host
     commit(seq_ids, keep)             keep the accepted nodes' KV, drop the rest
     truncate(seq_id, length)          forget committed tokens beyond `length` (draft rollback)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from backend.manifest import ModelConfig
+from backend.verify import TreeVerdict, verify_tree
 
 
-@dataclass
 class ForwardOutput:
-    logits: np.ndarray    # [B, R, V] float32 (rows chosen by logits_index); valid until next forward
-    hidden: np.ndarray    # [B, T, H] float32 final-norm features of every new token
+    """A forward's outputs; valid until the next forward. `logits` [B, R, V] float32 (rows chosen
+    by logits_index) and `hidden` [B, T, H] float32 final-norm features of every new token, as
+    host arrays; a device runtime's outputs stay on the device (`device_logits`) and cross to
+    the host only if read."""
+
+    def __init__(self, logits, hidden):
+        self.device_logits, self._device_hidden = logits, hidden
+        self._logits = logits if isinstance(logits, np.ndarray) else None
+        self._hidden = hidden if isinstance(hidden, np.ndarray) else None
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._logits = self.device_logits.detach().float().cpu().numpy()
+        return self._logits
+
+    @property
+    def hidden(self) -> np.ndarray:
+        if self._hidden is None:
+            self._hidden = self._device_hidden.detach().float().cpu().numpy()
+        return self._hidden
+
+
+def verify_on_host(out: ForwardOutput, drafts, params, noises, positions) -> list[TreeVerdict]:
+    """Runtime.verify for runtimes whose logits live on the host: backend/verify.py per row."""
+    return [verify_tree(d.tree, d.tokens, out.logits[b, : d.tree.num_nodes], p,
+                        None if p.greedy else (lambda dd, n=nz, pos=pos: n.at(pos + dd)))
+            for b, (d, p, nz, pos) in enumerate(zip(drafts, params, noises, positions))]
 
 
 class Runtime(Protocol):
@@ -38,10 +67,15 @@ class Runtime(Protocol):
 
     def free(self, seq_id: int) -> None: ...
 
+    def room(self) -> int: ...
+
     def length(self, seq_id: int) -> int: ...
 
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput: ...
+
+    def verify(self, out: ForwardOutput, drafts: list, params: list, noises: list,
+               positions: list[int]) -> list[TreeVerdict]: ...
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None: ...
 

@@ -21,7 +21,7 @@ from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
 from backend.kv_groups import KVGroups, spread_rows
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput
+from backend.runtime.base import ForwardOutput, verify_on_host
 
 
 _GLOBAL_POOL_THREADS: int | None = None
@@ -188,6 +188,9 @@ class OrtRuntime:
     def num_sequences(self) -> int:
         return self.groups.num_sequences()
 
+    def room(self) -> int:
+        return 2 ** 31 - 1                  # KV grows with the groups: bounded by memory only
+
     # --- forward / commit --------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict[str, np.ndarray] | None = None) -> ForwardOutput:
@@ -237,6 +240,9 @@ class OrtRuntime:
             if not full:
                 return ForwardOutput(logits[rows], hidden[rows])
             return ForwardOutput(logits, hidden)
+
+    def verify(self, out: ForwardOutput, drafts, params, noises, positions):
+        return verify_on_host(out, drafts, params, noises, positions)
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import numpy as np
 
 from backend.kv_cache import PAD_PARENT
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput
+from backend.runtime.base import ForwardOutput, verify_on_host
 
 
 def toy_config(vocab: int, hidden: int = 8) -> ModelConfig:
@@ -49,6 +49,12 @@ class ToyRuntime:
 
     def length(self, seq_id: int) -> int:
         return len(self._seqs[seq_id])
+
+    def room(self) -> int:
+        return 2 ** 31 - 1
+
+    def verify(self, out, drafts, params, noises, positions):
+        return verify_on_host(out, drafts, params, noises, positions)
 
     def forward(self, seq_ids, input_ids, parents, logits_index, extra_inputs=None) -> ForwardOutput:
         b, t = input_ids.shape

@@ -1,0 +1,156 @@
+"""The build for `--device cuda`: checkpoint -> torch engine files (safetensors, canonical names
+of build/checkpoint.py) in fp32, bf16 or FP8 E4M3, and what the GPU runtime needs to know.
+
+FP8 recipe (runtime/torch_model.py applies it): each linear weight gets one scale per output
+channel, amax / 448; each linear input one scale, amax / 448 over calibration prompts run
+through the fp32 model (the stdlib-docstring prompts of train/prompts.py, never the benchmark
+prompts). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
+Knows: checkpoints, the engine file layout, calibration, which GPU this is. Does not know:
+serving.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from backend.build.checkpoint import Checkpoint
+from backend.manifest import EngineFile, WeightFormat
+
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+ACT_INPUTS = {"qkv": "q", "o": "o", "gate_up": "gate", "down": "down"}   # input -> first weight
+
+
+def gpu_info() -> dict | None:
+    """The GPU this build runs on (name, compute capability, library versions), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+
+
+def _tensors(ck: Checkpoint, fmt: WeightFormat, num_layers: int, act_scales: dict | None) -> dict:
+    import torch
+
+    from backend.runtime.torch_model import fp8_quantize
+
+    keep = torch.float32 if fmt is WeightFormat.FP32 else torch.bfloat16
+    out = {}
+    for name, t in ck.tensors.items():
+        parts = name.split(".")
+        if parts[0] == "layers" and int(parts[1]) >= num_layers:
+            continue
+        w = torch.from_numpy(np.array(t.float32()))
+        if fmt is WeightFormat.FP8 and parts[0] == "layers" and parts[2] in LINEARS:
+            out[name], out[f"{name}.scale"] = fp8_quantize(w)
+        else:
+            out[name] = w.to(keep).contiguous()
+    if fmt is WeightFormat.FP8:
+        assert act_scales is not None, "FP8 needs calibrated activation scales"
+        out.update({k: torch.tensor(v, dtype=torch.float32) for k, v in act_scales.items()
+                    if int(k.split(".")[1]) < num_layers})
+    return out
+
+
+def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path, stem: str,
+           act_scales: dict | None = None) -> EngineFile:
+    from safetensors.torch import save_file
+
+    path = Path(engine_dir) / f"{stem}.safetensors"
+    save_file(_tensors(ck, fmt, num_layers, act_scales), str(path))
+    return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size)
+
+
+def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin: float = 1.0) -> dict:
+    """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
+    model on `prompts` (token id lists), run on the CPU."""
+    from backend.config import RuntimeOptions
+    from backend.runtime.torch_model import FP8_MAX
+    from backend.runtime.torch_rt import TorchRuntime
+
+    n = ck.config.num_layers
+    with tempfile.TemporaryDirectory() as tmp:
+        ef = export(ck, WeightFormat.FP32, n, Path(tmp), "calibrate")
+        rt = TorchRuntime(Path(tmp) / ef.path, ck.config, n, max_seq_len, RuntimeOptions(max_sequences=1), "cpu")
+    linears = rt.model.linears()
+    for lin in linears.values():
+        lin.amax = []
+    for i, ids in enumerate(prompts):
+        ids = np.asarray(ids[: max_seq_len - 1], np.int64)
+        rt.alloc(i)
+        rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
+        rt.free(i)
+    rt.close()
+    return {f"{name}.act_scale": margin * max(lin.amax) / FP8_MAX for name, lin in linears.items()}
+
+
+def calibration_prompts(tokenizer, n: int = 24, max_tokens: int = 384) -> list[list[int]]:
+    """Chat-templated prompts from the Python standard library's docstrings (train/prompts.py)."""
+    from backend.train.prompts import build_prompts
+
+    return [tokenizer.encode(tokenizer.apply_chat_template(m), add_special_tokens=False)[:max_tokens]
+            for m in build_prompts(n, seed=1)]
+
+
+def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log):
+    """The target in every format (FP8 calibrated first) -> ({format: EngineFile}, {format: s})."""
+    import time
+
+    from backend.tokenizer import Tokenizer
+
+    act = None
+    if WeightFormat.FP8 in formats:
+        t0 = time.time()
+        tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
+                        ck.config.bos_token_id, ck.tokenizer.add_bos_token)
+        prompts = calibration_prompts(tok)
+        act = calibrate(ck, prompts, max_seq_len)
+        log(f"FP8 activation scales calibrated on {len(prompts)} prompts in {time.time() - t0:.1f}s")
+    engines, timings = {}, {}
+    for fmt in formats:
+        t0 = time.time()
+        engines[fmt.value] = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act)
+        timings[fmt.value] = time.time() - t0
+    return engines, timings
+
+
+def build_draft(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path, log):
+    """--draft for the torch runtime -> (manifest name, DraftEntry). self:N reads the first N
+    layers of the target's own file; a head or a draft model is written in bf16 (fp32 beside an
+    fp32 target)."""
+    import json
+
+    from backend.build.checkpoint import CheckpointError, load_checkpoint
+    from backend.manifest import DraftEntry
+
+    fmt = WeightFormat.FP32 if target.weights is WeightFormat.FP32 else WeightFormat.BF16
+    if spec.startswith("self:"):
+        n = int(spec.split(":", 1)[1])
+        if not 0 < n < ck.config.num_layers:
+            raise ValueError(f"--draft self:N needs 0 < N < {ck.config.num_layers}, got {n}")
+        log(f"self-draft: first {n} layers + head of {target.path}")
+        return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
+    if spec.startswith("eagle:"):
+        from backend.drafters.eagle_export import head_checkpoint
+
+        head_dir = Path(spec.split(":", 1)[1]).resolve()
+        hck, vocab = head_checkpoint(head_dir, ck)
+        ef = export(hck, fmt, 1, engine_dir, "draft_eagle")
+        np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
+        meta = {k: v for k, v in json.loads((head_dir / "config.json").read_text()).items() if k != "training"}
+        log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
+        return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir), {**meta, "vocab_path": "draft_eagle_vocab.npy"})
+    dck = load_checkpoint(spec)
+    if dck.config.vocab_size != ck.config.vocab_size:
+        raise CheckpointError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
+                              f"target's {ck.config.vocab_size}; the draft must share the vocabulary")
+    ef = export(dck, fmt, dck.config.num_layers, engine_dir, f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}")
+    log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
+                               {"weights": fmt.value, "model": dck.config.to_json()})

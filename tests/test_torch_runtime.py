@@ -1,0 +1,158 @@
+"""The GPU runtime (torch + the kernels' references on a CPU): `--device cuda` builds of a tiny
+checkpoint in fp32, bf16 and FP8 give transformers' logits, are batch invariant, and pass the
+losslessness tests of the ONNX runtime: greedy identity for every drafter (self-draft, EAGLE
+head, prompt lookup, lookup+eagle), seeded sampling equal to plain sampling; sequences beyond
+the KV slots wait for room; a repository built for another GPU refuses to load."""
+import json
+
+import numpy as np
+import pytest
+
+from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig
+from backend.manifest import Device, EngineManifest, WeightFormat
+from backend.sequence import Request
+from conftest import chain, make_tiny_checkpoint, random_head, run_batch
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_cuda")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=3)
+    first = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.CUDA, quiet=True,
+                              weights=(WeightFormat.FP32,), measure_costs=False))
+    head = random_head(first, d / "head", vocab_size=96)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.CUDA, quiet=True,
+                          weights=(WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8),
+                          drafts=("self:1", f"eagle:{head}")))
+    return m, ckpt, d / "repo"
+
+
+def test_build_logits_invariance_and_repository(tiny):
+    from backend.runtime import load_runtime
+
+    m, ckpt, repo = tiny
+    assert m.device is Device.CUDA and m.gpu is None and m.cost_model is not None
+    assert all(ef.batch_invariant for ef in m.engines.values()), {k: e.batch_invariant for k, e in m.engines.items()}
+    assert "KIND_CPU" in (repo / "specdec" / "config.pbtxt").read_text()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 29)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+    for fmt, tol in (("fp32", 1e-4), ("bf16", 2e-2), ("fp8", 0.15)):
+        rt = load_runtime(m, fmt)
+        rt.alloc(0)
+        out = rt.forward([0], ids[None], chain(ids.size), np.arange(ids.size)[None])
+        assert np.abs(out.logits[0] - ref).max() / np.abs(ref).max() < tol, fmt
+        rt.close()
+    tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(m.resolve(m.engine("fp8").path)))
+    assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.act_scale"] > 0
+
+
+def decoder(m, **spec):
+    from backend.engine import make_decoder
+
+    return make_decoder(ServeConfig(engine_dir=str(m.root), weight_format="fp32", spec=SpecConfig(**spec),
+                                    runtime=RuntimeOptions(max_sequences=6)))
+
+
+def generate(dec, prompt, kind, params):
+    return [t for o in dec.generate(Request(tuple(prompt), params, kind)) for t in o.new_ids]
+
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9, 21, 40], [7, 8, 9, 10, 11, 7, 8, 9], [100, 3, 250, 17]]
+
+
+@pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])
+def test_greedy_speculation_is_identical_to_plain(tiny, kind):
+    m, _, _ = tiny
+    dec = decoder(m, num_draft_tokens=4)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [generate(dec, p, DrafterKind.NONE, params) for p in PROMPTS]
+    spec = [generate(dec, p, DrafterKind(kind), params) for p in PROMPTS]
+    assert spec == plain
+    assert dec.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):
+    m, _, _ = tiny
+    dec = decoder(m, num_draft_tokens=3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=5, ignore_eos=True)
+    ref = generate(dec, PROMPTS[0], DrafterKind.NONE, params)
+    for kind in (DrafterKind.DRAFT_MODEL, DrafterKind.EAGLE):
+        seqs = [dec.start(Request(tuple(PROMPTS[0]), params, kind)),
+                dec.start(Request(tuple(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=30), kind))]
+        assert run_batch(dec, seqs)[0] == ref
+
+
+def test_requests_beyond_the_kv_slots_wait_for_room(tiny):
+    from backend.scheduler import Scheduler
+
+    m, _, _ = tiny
+    dec = decoder(m, num_draft_tokens=2)
+    done, outs = [], {}
+
+    class Sink:
+        def __init__(self, i):
+            self.i = i
+
+        def send(self, out):
+            outs.setdefault(self.i, []).extend(out.new_ids)
+
+        def error(self, exc, internal):
+            raise AssertionError(exc)
+
+        def cancelled(self):
+            return False
+
+        def close(self):
+            done.append(self.i)
+
+    sched = Scheduler(dec, max_batch=8, start=False)
+    for i in range(14):                              # 6 slots for 14 requests
+        sched.submit(Request(tuple(PROMPTS[i % 3]), SamplingParams(max_tokens=12, ignore_eos=True),
+                             DrafterKind.PROMPT_LOOKUP), Sink(i))
+    while sched.has_work():
+        sched.iterate()
+        assert dec.target.room() >= 0 and sched.num_active() <= 6
+    assert sorted(done) == list(range(14)) and all(len(outs[i]) == 12 for i in range(14))
+
+
+def test_a_repository_built_for_another_gpu_refuses_to_load(tiny, tmp_path):
+    from backend.runtime import load_runtime
+
+    m, _, _ = tiny
+    other = json.loads((m.root / "manifest.json").read_text())
+    other["gpu"] = {"name": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.11", "triton": "3.6"}
+    (tmp_path / "manifest.json").write_text(json.dumps(other))
+    moved = EngineManifest.load(tmp_path)
+    with pytest.raises(RuntimeError, match="built for NVIDIA H200 .* rebuild|no CUDA device"):
+        load_runtime(moved)
+
+
+def test_quality_reports_top1_agreement_and_kl(tiny, tmp_path):
+    """`specdec quality`: a format against itself agrees everywhere with KL 0; FP8 (emulated
+    here: the build's scales, quantize then dequantize) against fp32 reports both numbers."""
+    from backend.bench import quality
+
+    m, _, _ = tiny
+    prompts = [{"id": "a", "messages": [{"role": "user", "content": "the quick brown fox"}]},
+               {"id": "b", "messages": [{"role": "user", "content": "def f(x): return x"}]}]
+    same = quality.run(str(m.root), "fp32", "fp32", prompts, 12, None)
+    assert same["top1_agreement"] == 1.0 and abs(same["kl_mean"]) < 1e-9
+    fp8 = quality.run(str(m.root), "fp8", "fp32", prompts, 12, str(tmp_path / "q.json"))
+    saved = json.loads((tmp_path / "q.json").read_text())
+    assert saved["top1_agreement"] == fp8["top1_agreement"] and 0.0 <= fp8["top1_agreement"] <= 1.0
+    assert fp8["kl_mean"] > 0 and [p["positions"] for p in saved["prompts"]] == [12, 12]
+
+
+def test_check_kernels_lists_both_kernels_ok(tmp_path):
+    from backend.cli import main
+
+    assert main(["check-kernels", "--json", str(tmp_path / "k.json")]) == 0
+    report = json.loads((tmp_path / "k.json").read_text())
+    assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify"]
+    assert all(k["ok"] and k["cases"] > 0 for k in report["kernels"]) and report["kernels"][0]["bitwise_invariant"]
