@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from backend import triton_io
-from backend.config import DrafterKind, RequestError, ServeConfig, SpecConfig
+from backend.config import DrafterKind, RequestError, RuntimeOptions, ServeConfig, SpecConfig
 from backend.sequence import StepOutput
 
 log = logging.getLogger("specdec.triton")
@@ -35,8 +35,10 @@ def serve_config(args: dict) -> ServeConfig:
     k = p.get("num_draft_tokens", "auto")
     spec = SpecConfig(auto_drafter=DrafterKind(drafter),
                       num_draft_tokens=None if k in ("", "auto") else int(k))
+    slots = p.get("kv_slots", "auto")
     return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
-                       spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32))
+                       spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32),
+                       runtime=RuntimeOptions(max_sequences=None if slots in ("", "auto") else int(slots)))
 
 
 def error_response(pb, exc: Exception, internal: bool):

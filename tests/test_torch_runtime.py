@@ -156,3 +156,33 @@ def test_check_kernels_lists_both_kernels_ok(tmp_path):
     report = json.loads((tmp_path / "k.json").read_text())
     assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify"]
     assert all(k["ok"] and k["cases"] > 0 for k in report["kernels"]) and report["kernels"][0]["bitwise_invariant"]
+
+
+@pytest.mark.slow
+def test_the_torch_repository_serves_on_tritonserver(tiny, tmp_path):
+    """The same Triton models run the torch runtime: one stream through `specdec` and one
+    through the ensemble equal offline decoding of the built repository."""
+    pytest.importorskip("tritonclient.grpc")
+    from backend.engine import make_decoder
+    from backend.serve import client as spclient
+    from backend.serve.launcher import TritonServer
+
+    m, _, repo = tiny
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root)))
+    prompt = "the quick brown fox"
+    ids = dec.tok.encode(dec.tok.apply_chat_template([{"role": "user", "content": prompt}]))
+    expected = "".join(o.text for o in dec.generate(Request(tuple(ids), SamplingParams(max_tokens=24))))
+
+    class Args:
+        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, False, []
+        top_k = top_p = min_p = num_draft_tokens = drafter = seed = None
+
+    srv = TritonServer(repo, log_file=tmp_path / "server.log", log_verbose=0)
+    srv.start()
+    try:
+        for model in ("specdec", "ensemble"):
+            chunks = []
+            spclient.stream_grpc(srv.grpc_url, model, spclient.request_fields(prompt, Args()), chunks.append)
+            assert "".join(chunks) == expected, model
+    finally:
+        assert srv.stop() == 0
