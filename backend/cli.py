@@ -1,5 +1,5 @@
-"""`specdec` command line: build, serve, generate, bench, bench-engine, train-draft, check-kernels,
-quality."""
+"""`specdec` command line: build, serve, health, generate, bench, bench-engine, train-draft,
+check-kernels, quality."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-invariance-check", action="store_true")
     p.add_argument("--no-cost-model", action="store_true",
                    help="skip measuring forward costs (the adaptive speculation controller needs them)")
+    p.add_argument("--remote-draft", default="",
+                   help="draft on a draft node: its tritonserver's gRPC host:port, or `local` for "
+                        "this server's own (serve a node with `specdec build-draft-node`)")
+    p.add_argument("--remote-draft-kind", default="draft-model", choices=["draft-model", "eagle"])
     p.add_argument("--quiet", action="store_true")
 
 
@@ -47,7 +51,7 @@ def cmd_build(args) -> int:
         default_format=WeightFormat(args.default_format) if args.default_format else None,
         drafts=_drafts(args), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
-        quiet=args.quiet)
+        quiet=args.quiet, extra={"remote_draft": args.remote_draft, "remote_draft_kind": args.remote_draft_kind})
     build(cfg)
     return 0
 
@@ -128,9 +132,10 @@ def cmd_serve(args) -> int:
 
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.serve.launcher import TritonServer
+    from backend.serve.supervisor import Supervisor
 
     repo = Path(args.model_repository)
-    if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
+    if not (repo / ENGINE_SUBDIR / "manifest.json").exists() and not (repo / "draft" / "config.pbtxt").exists():
         print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
         build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
@@ -139,19 +144,36 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     print("starting tritonserver ...", flush=True)
-    server.start()
+    supervisor = Supervisor(server, on_event=lambda msg: print(msg, flush=True)).start()
     print(f"specdec is serving {repo}\n"
           f"  HTTP     http://{server.http_url}  (POST /v2/models/specdec/generate_stream)\n"
           f"  gRPC     {server.grpc_url}\n"
           f"  metrics  {server.metrics_url}\n"
           f"Try: .venv/bin/specdec generate \"Write a haiku about the sea\" --stream --url {server.grpc_url}\n"
           f"Ctrl-C stops the server.", flush=True)
-    while not stop.is_set() and server.proc.poll() is None:
-        stop.wait(0.5)
+    while not stop.wait(0.5):
+        pass
     print("stopping tritonserver ...", flush=True)
-    rc = server.stop()
+    rc = supervisor.stop()
     print(f"stopped (exit code {rc})", flush=True)
     return 0 if rc in (0, None) else 1
+
+
+def cmd_build_draft_node(args) -> int:
+    from backend.build.pipeline import write_draft_node
+
+    out = write_draft_node(Path(args.model_repository), args.kind, Path(args.output))
+    print(f"draft node ({args.kind}) written to {out}; serve it with "
+          f"`specdec serve --model-repository {Path(args.output)}` (or tritonserver)")
+    return 0
+
+
+def cmd_health(args) -> int:
+    from backend.serve.supervisor import canary
+
+    ok, what = canary(args.url, args.model, args.timeout)
+    print(f"{'healthy' if ok else 'UNHEALTHY'}: {args.model} at {args.url}: {what}", flush=True)
+    return 0 if ok else 1
 
 
 def cmd_generate(args) -> int:
@@ -280,6 +302,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     p.set_defaults(func=cmd_bench_engine)
+
+    p = sub.add_parser("build-draft-node", help="a model repository serving a built draft to remote targets")
+    p.add_argument("--model-repository", default=DEFAULT_REPO, help="where the draft was built")
+    p.add_argument("--kind", default="draft-model", choices=["draft-model", "eagle"])
+    p.add_argument("--output", required=True)
+    p.set_defaults(func=cmd_build_draft_node)
+
+    p = sub.add_parser("health", help="a short canary generation with a deadline (exit 1 if it fails)")
+    p.add_argument("--url", default="127.0.0.1:8000", help="the server's HTTP host:port")
+    p.add_argument("--model", default="specdec")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("check-kernels", help="every GPU kernel against its reference on this machine")
     p.add_argument("--json", default=None)

@@ -98,6 +98,16 @@ class RuntimeOptions:
 
 
 @dataclass(frozen=True)
+class RemoteDraft:
+    """A draft node to draft with (drafters/remote.py) instead of a local draft model or head."""
+
+    url: str                                # host:port of the node's tritonserver (gRPC)
+    kind: DrafterKind = DrafterKind.DRAFT_MODEL      # what the node runs: draft-model or eagle
+    timeout_s: float = 0.2                  # deadline of one call; beyond it the step falls back
+    retry_s: float = 0.5                    # first back-off after a failure (doubles, <= 30 s)
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     engine_dir: str
     weight_format: str | None = None
@@ -105,3 +115,4 @@ class ServeConfig:
     max_batch: int = 32                     # sequences verified in one forward
     prefill_chunk: int = 512
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    remote_draft: RemoteDraft | None = None

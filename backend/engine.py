@@ -5,7 +5,7 @@ path builds the decoder the same way from the manifest (the only source of truth
 """
 from __future__ import annotations
 
-from backend.config import DrafterKind, RuntimeOptions, ServeConfig, SpecConfig
+from backend.config import DrafterKind, RemoteDraft, RuntimeOptions, ServeConfig, SpecConfig
 from backend.controller import AdaptiveController, Controller, CostModel, FixedController
 from backend.decoder import SpecDecoder
 from backend.drafters.base import Drafter
@@ -24,44 +24,112 @@ def default_draft_model(manifest: EngineManifest) -> str | None:
     return None
 
 
-def make_drafters(manifest: EngineManifest, spec: SpecConfig,
-                  options: RuntimeOptions | None = None) -> dict[DrafterKind, Drafter]:
-    """Every drafter the manifest can run: prompt lookup always, a draft model and the EAGLE
-    head (alone and behind prompt lookup) where the build made them."""
+def make_drafters(manifest: EngineManifest, spec: SpecConfig, options: RuntimeOptions | None = None,
+                  remote: RemoteDraft | None = None, kinds: set | None = None) -> dict[DrafterKind, Drafter]:
+    """Every drafter the manifest can run (or those of `kinds`): prompt lookup always, a draft
+    model and the EAGLE head (alone and behind prompt lookup) where the build made them; with
+    `remote`, the node's kind drafts on a draft node instead (drafters/remote.py), prompt lookup
+    its fallback."""
     from backend.drafters.prompt_lookup import PromptLookupDrafter
 
+    want = lambda k: kinds is None or k in kinds
     lookup = PromptLookupDrafter(spec.prompt_lookup_min_ngram, spec.prompt_lookup_max_ngram,
                                  spec.prompt_lookup_width, spec.max_draft_tokens)
     drafters: dict[DrafterKind, Drafter] = {DrafterKind.PROMPT_LOOKUP: lookup}
     name = spec.draft_model or default_draft_model(manifest)
-    if name is not None:
+    if remote is not None and remote.kind is DrafterKind.DRAFT_MODEL:
+        drafters[DrafterKind.DRAFT_MODEL] = remote_drafter(remote, spec, lookup)
+    elif name is not None and want(DrafterKind.DRAFT_MODEL):
         from backend.drafters.draft_model import DraftModelDrafter
 
         drafters[DrafterKind.DRAFT_MODEL] = DraftModelDrafter(
             load_runtime(manifest, engine=name, options=options), spec.draft_width, spec.max_draft_tokens)
-    if "eagle" in manifest.drafts:
+    eagle = None
+    if remote is not None and remote.kind is DrafterKind.EAGLE:
+        eagle = remote_drafter(remote, spec, lookup)
+    elif "eagle" in manifest.drafts and want(DrafterKind.EAGLE):
         from backend.drafters.eagle import EagleDrafter
-        from backend.drafters.hybrid import LookupEagleDrafter
 
         eagle = EagleDrafter.from_manifest(manifest, spec, options)
+    if eagle is not None:
+        from backend.drafters.hybrid import LookupEagleDrafter
+
         drafters[DrafterKind.EAGLE] = eagle
         drafters[DrafterKind.LOOKUP_EAGLE] = LookupEagleDrafter(lookup, eagle)
     return drafters
 
 
+def remote_drafter(remote: RemoteDraft, spec: SpecConfig, fallback):
+    """The node's drafter, with its traits (cost entry "remote", priced at start, see
+    make_controller) and the gRPC transport."""
+    from dataclasses import replace
+
+    from backend.drafters.draft_model import DraftModelDrafter
+    from backend.drafters.eagle import EagleDrafter
+    from backend.drafters.remote import RemoteDrafter
+    from backend.serve.client import draft_node_transport
+
+    if remote.kind is DrafterKind.EAGLE:
+        traits = EagleDrafter.make_traits(spec.eagle_depth, spec.max_tree_nodes)
+    elif remote.kind is DrafterKind.DRAFT_MODEL:
+        traits = DraftModelDrafter.make_traits(spec.max_draft_tokens)
+    else:
+        raise ValueError(f"a draft node runs draft-model or eagle, not {remote.kind.value!r}")
+    return RemoteDrafter(remote.kind.value, replace(traits, cost_key=REMOTE_COST_KEY),
+                         draft_node_transport(resolve_url(remote.url), remote.timeout_s), fallback,
+                         retry_s=remote.retry_s)
+
+
+REMOTE_COST_KEY = "remote"
+
+
+def resolve_url(url: str) -> str:
+    """`local` is this server's own gRPC endpoint (set by `specdec serve` in SPECDEC_GRPC_URL)."""
+    import os
+
+    if url == "local":
+        if "SPECDEC_GRPC_URL" not in os.environ:
+            raise ValueError("remote_draft 'local' needs SPECDEC_GRPC_URL (set by `specdec serve`); "
+                             "give the node's host:port instead")
+        return os.environ["SPECDEC_GRPC_URL"]
+    return url
+
+
+def _remote_price(drafter, manifest: EngineManifest) -> tuple[float, float]:
+    """(seconds per draft forward, per catch-up token) of a draft node, until measured online:
+    one empty call times the round trip (a node that does not answer is priced at 50 ms); the
+    node's compute is priced as the same drafter would be here, where the build measured it."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        drafter.transport({"kind": drafter.kind, "rows": [], "released": []}, None)
+        trip = time.perf_counter() - t0
+    except Exception:
+        trip = 0.05
+    local = CostModel.from_json(manifest.cost_model) if manifest.cost_model else None
+    step = local.draft_step_s.get(drafter.kind, 0.0) if local else 0.0
+    catch = local.catch_up_s.get(drafter.kind, 1e-4) if local else 1e-4
+    return step + trip / max(1, drafter.traits.max_forwards), catch
+
+
 def make_controller(manifest: EngineManifest, spec: SpecConfig,
                     drafters: dict[DrafterKind, Drafter]) -> Controller:
     """The adaptive controller over the build's cost model, unless the server fixes K (or the
-    build measured no costs). Fails (UnpricedDrafter) if a drafter has no cost entry."""
+    build measured no costs). Fails (UnpricedDrafter) if a drafter has no cost entry; a draft
+    node's entry is priced here, at start (the controller then corrects it by measured time)."""
     if spec.num_draft_tokens is None and manifest.cost_model:
-        return AdaptiveController({k: d.traits for k, d in drafters.items()},
-                                  CostModel.from_json(manifest.cost_model))
+        cost = CostModel.from_json(manifest.cost_model)
+        for d in drafters.values():
+            if d.traits.cost_key == REMOTE_COST_KEY and REMOTE_COST_KEY not in cost.draft_step_s:
+                cost.draft_step_s[REMOTE_COST_KEY], cost.catch_up_s[REMOTE_COST_KEY] = _remote_price(d, manifest)
+        return AdaptiveController({k: d.traits for k, d in drafters.items()}, cost)
     return FixedController(spec)
 
 
 def make_decoder(cfg: ServeConfig, manifest: EngineManifest | None = None) -> SpecDecoder:
     manifest = manifest or EngineManifest.load(cfg.engine_dir)
     target = load_runtime(manifest, cfg.weight_format, options=cfg.runtime)
-    drafters = make_drafters(manifest, cfg.spec, cfg.runtime)
+    drafters = make_drafters(manifest, cfg.spec, cfg.runtime, cfg.remote_draft)
     return SpecDecoder(target, Tokenizer.from_manifest(manifest), drafters, cfg.spec,
                        make_controller(manifest, cfg.spec, drafters), prefill_chunk=cfg.prefill_chunk)

@@ -26,6 +26,10 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
                                                   fresh_yield_{drafter}: share of the pooled tree
                                                   yield a request's first tree is expected to get;
                                                   published every 64 steps
+  specdec_remote_draft_calls_total{outcome}       draft node calls: ok | error | timeout | resync
+  specdec_remote_draft_seconds                    histogram of draft node call latency
+  specdec_remote_draft_fallbacks_total            rows drafted locally because the node failed,
+                                                  timed out, asked to resync or was backing off
 """
 from __future__ import annotations
 
@@ -69,6 +73,9 @@ class Metrics:
         self._by_pos: dict[int, tuple] = {}
         self._corr: dict[str, object] = {}
         self._window: collections.deque = collections.deque(maxlen=WINDOW)
+        self._remote: dict[str, object] = {}
+        self._remote_s = h("specdec_remote_draft_seconds", "Draft node call latency", lb, LATENCY_BUCKETS)
+        self._fallbacks = c("specdec_remote_draft_fallbacks_total", "Rows drafted locally instead of on the node", lb)
 
     def _drafter(self, name: str):
         if name not in self._by_drafter:
@@ -134,6 +141,17 @@ class Metrics:
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
         self.output_tokens.increment(1)
+
+    def on_remote_call(self, outcome: str, seconds: float, fallback_rows: int) -> None:
+        """A draft node call (drafters/remote.py); outcome "skipped": the node is backing off."""
+        if outcome != "skipped":
+            if outcome not in self._remote:
+                self._remote[outcome] = self.r.counter("specdec_remote_draft_calls_total", "Draft node calls",
+                                                       {**self.labels, "outcome": outcome})
+            self._remote[outcome].increment(1)
+            self._remote_s.observe(seconds)
+        if fallback_rows:
+            self._fallbacks.increment(fallback_rows)
 
     def on_finish(self, seq: SequenceState) -> None:
         reason = seq.finish_reason or "unknown"

@@ -75,6 +75,10 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self._active) + len(self._prefilling)
 
+    def queued(self) -> int:
+        """Requests submitted that have not started decoding (waiting for KV room or prefill)."""
+        return self._incoming.qsize() + len(self._waiting) + len(self._prefilling)
+
     def has_work(self) -> bool:
         return bool(self._active or self._prefilling or self._waiting or not self._incoming.empty())
 

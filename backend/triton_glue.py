@@ -3,8 +3,9 @@
 `pb` (triton_python_backend_utils) is passed in by each model.py, so this module never imports
 it and the rest of backend/ never sees Triton. Here: reading model parameters into ServeConfig,
 response senders as scheduler Sinks (streaming or one final response), error mapping
-(RequestError -> INVALID_ARG naming the field, anything else -> INTERNAL, the final flag always
-sent), and a metrics registry over the Python backend's custom metrics.
+(RequestError -> INVALID_ARG naming the field, Overloaded -> UNAVAILABLE, anything else ->
+INTERNAL, the final flag always sent), a metrics registry over the Python backend's custom
+metrics, and the engine-holding Service of `generator` (triton_relay.py: `specdec`).
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import threading
 import traceback
 from pathlib import Path
 
+import numpy as np
+
 from backend import triton_io
-from backend.config import DrafterKind, RequestError, RuntimeOptions, ServeConfig, SpecConfig
+from backend.config import DrafterKind, RemoteDraft, RequestError, RuntimeOptions, ServeConfig, SpecConfig
 from backend.sequence import StepOutput
 
 log = logging.getLogger("specdec.triton")
@@ -36,15 +39,56 @@ def serve_config(args: dict) -> ServeConfig:
     spec = SpecConfig(auto_drafter=DrafterKind(drafter),
                       num_draft_tokens=None if k in ("", "auto") else int(k))
     slots = p.get("kv_slots", "auto")
+    remote = None
+    if p.get("remote_draft"):
+        remote = RemoteDraft(p["remote_draft"], DrafterKind(p.get("remote_draft_kind") or "draft-model"),
+                             float(p.get("remote_draft_timeout_ms") or 200) / 1000)
     return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
                        spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32),
-                       runtime=RuntimeOptions(max_sequences=None if slots in ("", "auto") else int(slots)))
+                       runtime=RuntimeOptions(max_sequences=None if slots in ("", "auto") else int(slots)),
+                       remote_draft=remote)
+
+
+def draft_node(args: dict):
+    """The DraftNode of the `draft` model: its engine directory's drafter of `draft_kind`."""
+    from backend.draft_node import DraftNode
+    from backend.engine import make_drafters
+    from backend.manifest import EngineManifest
+
+    p = model_parameters(args)
+    engine_dir = (Path(args["model_repository"]).resolve().parent / p["engine_dir"]).resolve()
+    manifest = EngineManifest.load(engine_dir)
+    kind = DrafterKind(p.get("draft_kind") or "draft-model")
+    drafters = make_drafters(manifest, SpecConfig(), kinds={kind})
+    if kind not in drafters:
+        raise ValueError(f"the engines in {engine_dir} have no {kind.value} drafter to serve "
+                         f"(built: {sorted(d.value for d in drafters)})")
+    return DraftNode(drafters[kind], manifest.model.vocab_size)
+
+
+class Overloaded(RuntimeError):
+    """The server refuses a request it has no room to queue (Triton UNAVAILABLE)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{triton_io.UNAVAILABLE}: {message}")
 
 
 def error_response(pb, exc: Exception, internal: bool):
+    if isinstance(exc, Overloaded):
+        return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.UNAVAILABLE))
     code = pb.TritonError.INTERNAL if internal else pb.TritonError.INVALID_ARG
     msg = f"{type(exc).__name__}: {exc}" if internal else str(exc)
     return pb.InferenceResponse(error=pb.TritonError(msg, code))
+
+
+def stop_generator(pb, key: str) -> None:
+    """Ask `generator` to stop the sequence submitted with `key` (TensorRT-LLM's `stop`)."""
+    stop = pb.InferenceRequest(model_name="generator", requested_output_names=[], inputs=[
+        pb.Tensor(triton_io.STOP, np.array([[True]])),
+        pb.Tensor(triton_io.SEQUENCE_KEY, np.array([[key.encode() if isinstance(key, str) else key]], np.object_)),
+        pb.Tensor(triton_io.INPUT_IDS, np.zeros((1, 1), np.int32))])
+    for _ in stop.exec(decoupled=True):
+        pass
 
 
 def tensors(pb, arrays: dict):
@@ -112,9 +156,9 @@ class ResponseSink:
 
 
 def fail_request(pb, request, exc: Exception) -> None:
-    """Answer a request that never reached the scheduler (bad input) and end its stream."""
+    """Answer a request that never reached the scheduler (bad input, overload) and end its stream."""
     sender = request.get_response_sender()
-    internal = not isinstance(exc, RequestError)
+    internal = not isinstance(exc, (RequestError, Overloaded))
     if internal:
         log.error("request failed: %s", "".join(traceback.format_exception(exc)))
     sender.send(error_response(pb, exc, internal), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -148,23 +192,27 @@ class TritonRegistry:
 
 
 class Service:
-    """Decoder + continuous-batching scheduler + metrics behind one Triton model instance.
+    """Decoder + continuous-batching scheduler + metrics behind the `generator` model instance,
+    the one process of a server that holds the engines: token ids in (from `preprocessing`) or
+    text (from the `specdec` relay), per step the new text, cumulative ids and text offsets out. A request with `stop` = true
+    stops the sequence named by `sequence_key`; a request beyond `max_queue_size` requests
+    waiting to start is refused at once (UNAVAILABLE)."""
 
-    mode "text": the `specdec` model (text in, text out). mode "ids": the ensemble's `generator`
-    (token ids in from `preprocessing`, cumulative ids + text offsets out to `postprocessing`).
-    """
-
-    def __init__(self, pb, args: dict, mode: str):
+    def __init__(self, pb, args: dict):
         from backend.engine import make_decoder
         from backend.metrics import Metrics
         from backend.scheduler import Scheduler
 
-        assert mode in ("text", "ids"), mode
-        self.pb, self.mode = pb, mode
+        self.pb = pb
         cfg = serve_config(args)
+        self.max_queue = int(model_parameters(args).get("max_queue_size", 256) or 256)
         self.decoder = make_decoder(cfg)
-        self.tok = self.decoder.tok
         self.metrics = Metrics(TritonRegistry(pb), {"model": args["model_name"]})
+        from backend.drafters.remote import RemoteDrafter
+
+        for d in self.decoder.drafters.values():
+            if isinstance(d, RemoteDrafter):                      # a draft node: count its calls
+                d.on_call = self.metrics.on_remote_call
         self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
         self._count = 0
 
@@ -172,30 +220,27 @@ class Service:
         pb = self.pb
         try:
             inputs = request_inputs(request)
-            stop = triton_io.stop_key(inputs) if self.mode == "ids" else None
+            stop = triton_io.stop_key(inputs)
             if stop is not None:
                 self.scheduler.stop(stop)
                 request.get_response_sender().send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
-            if self.mode == "text":
-                text = triton_io.prompt_text(inputs, self.tok.apply_chat_template)
-                ids = self.tok.encode(text, add_special_tokens=True)
-            else:
-                ids = triton_io.input_ids(inputs)
-            parsed = triton_io.parse(inputs, ids, request.request_id())   # validated at start
+            parsed = triton_io.parse(inputs, triton_io.prompt_ids(inputs, self.decoder.tok), request.request_id())
+            queued = self.scheduler.queued()
+            if queued >= self.max_queue:
+                raise Overloaded(f"{queued} requests are waiting to start (max_queue_size "
+                                 f"{self.max_queue}); retry later")
         except Exception as exc:
             fail_request(pb, request, exc)
             return
         self._count += 1
         key = request.request_id() or f"seq-{self._count}"
-        if self.mode == "text":
-            encode = lambda out, text, whole, ids: triton_io.text_outputs(out, text)
-        else:
-            def encode(out, text, whole, ids):
-                arrays = triton_io.generator_outputs(out, ids, key)
-                if whole:
-                    arrays[triton_io.TEXT_START][0] = 0
-                return arrays
+
+        def encode(out, text, whole, ids):
+            arrays = triton_io.generator_outputs(out, ids, text, key)
+            if whole:
+                arrays[triton_io.TEXT_START][0] = 0
+            return arrays
         sink = ResponseSink(pb, request.get_response_sender(), encode, parsed.stream, parsed.batched)
         self.scheduler.submit(parsed.request, sink, key)
 

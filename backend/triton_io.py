@@ -30,6 +30,10 @@ SEQUENCE_KEY = "sequence_key"
 STOP = "stop"                       # generator: stop the request with this sequence_key
 STAT_OUTPUTS = ("output_token_count", "total_draft_tokens", "total_accepted_draft_tokens",
                 "acceptance_rate", "mean_accepted_tokens", "finish_reason")
+REQUEST_INPUTS = (TEXT_INPUT, INPUT_IDS, "apply_chat_template", "max_tokens", "temperature", "top_k",
+                  "top_p", "min_p", "random_seed", "stop_words", "end_id", "stream",
+                  "num_draft_tokens", "drafter", STOP, SEQUENCE_KEY)
+UNAVAILABLE = "unavailable"         # the message prefix of an overload error (Overloaded)
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -166,6 +170,20 @@ def input_ids(inputs: dict) -> list[int]:
     return [int(t) for t in arr.reshape(-1)]
 
 
+def error_code(message: str) -> str:
+    """The Triton error code of one of our error messages (which BLS delivers without its code):
+    client errors name an input first (`top_p: ...`), overload says `unavailable: ...`."""
+    head = message.split(":", 1)[0].strip()
+    if head == UNAVAILABLE:
+        return "UNAVAILABLE"
+    return "INVALID_ARG" if head in REQUEST_INPUTS else "INTERNAL"
+
+
+def relay_outputs(out: dict) -> dict[str, np.ndarray]:
+    """The specdec model's outputs from a generator response (text + statistics)."""
+    return {k: np.asarray(out[k]).reshape(1) for k in (TEXT_OUTPUT, *STAT_OUTPUTS)}
+
+
 def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
     st = out.stats
     return {
@@ -178,15 +196,29 @@ def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
     }
 
 
-def text_outputs(out: StepOutput, text: str) -> dict[str, np.ndarray]:
-    return {TEXT_OUTPUT: np.array([text.encode("utf-8")], np.object_), **stats_outputs(out)}
-
-
-def generator_outputs(out: StepOutput, output_ids: list[int], key: str) -> dict[str, np.ndarray]:
+def generator_outputs(out: StepOutput, output_ids: list[int], text: str, key: str) -> dict[str, np.ndarray]:
+    """One generator response: cumulative ids and the character range of the new text (for
+    clients of ids), the new text itself, the sequence key and the statistics."""
     return {OUTPUT_IDS: np.asarray(output_ids, np.int32).reshape(-1),
             TEXT_START: np.array([out.text_start], np.int32),
             TEXT_END: np.array([out.text_end], np.int32),
+            TEXT_OUTPUT: np.array([text.encode("utf-8")], np.object_),
             SEQUENCE_KEY: np.array([key.encode()], np.object_), **stats_outputs(out)}
+
+
+def prompt_ids(inputs: dict, tokenizer) -> list[int]:
+    """The request's prompt as token ids: `input_ids` as given, else `text_input` tokenized
+    (through the chat template with `apply_chat_template`)."""
+    if INPUT_IDS in inputs:
+        return input_ids(inputs)
+    text = prompt_text(inputs, tokenizer.apply_chat_template)
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def flags(inputs: dict) -> tuple[bool, bool]:
+    """(stream, batched) of a request, before its values are read."""
+    first = next(iter(inputs.values()))
+    return _bool(inputs, "stream", False), np.asarray(first).ndim >= 2
 
 
 def with_batch_dim(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -164,3 +164,30 @@ def test_a_drafter_without_a_cost_entry_fails_the_build_and_the_server(tiny):
     from backend.config import DrafterKind
     hybrid = dec.drafters[DrafterKind.LOOKUP_EAGLE].traits
     assert hybrid.cost_key == "eagle" and dec.controller._draft_cost({DrafterKind.LOOKUP_EAGLE}, 1, 8) > 0
+
+
+def test_a_remote_head_drafts_through_a_draft_node_losslessly(tiny):
+    """The EAGLE head on a draft node (in process, JSON over the wire): the target's features
+    travel with the tokens, greedy output equals plain decoding, and the head is accepted."""
+    import json
+
+    from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
+    from backend.draft_node import DraftNode
+    from backend.drafters.eagle import EagleDrafter
+    from backend.drafters.remote import RemoteDrafter
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    m, _ = tiny
+    spec = SpecConfig(num_draft_tokens=6, max_tree_nodes=6, eagle_depth=3, eagle_topk=3)
+    node = DraftNode(EagleDrafter.from_manifest(m, spec), m.model.vocab_size)
+    wire = lambda req, feats: json.loads(json.dumps(node.handle(json.loads(json.dumps(req)), feats)))
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
+    local = dec.drafters[DrafterKind.EAGLE]
+    dec.drafters[DrafterKind.EAGLE] = RemoteDrafter("eagle", local.traits, wire, dec.drafters[DrafterKind.PROMPT_LOOKUP])
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompt = tuple(np.random.default_rng(5).integers(3, m.model.vocab_size, 17).tolist())
+    plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
+    outs = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
+    assert [t for o in outs for t in o.new_ids] == plain
+    assert outs[-1].stats.num_draft_tokens > 0

@@ -180,11 +180,11 @@ def test_cancel_one_stream_others_finish(server, offline):
     assert "".join(out[0]) != expected[0] and len("".join(out[0])) < len(expected[0])
     assert ["".join(out[1]), "".join(out[2])] == expected[1:]
     deadline = time.time() + 30
-    while time.time() < deadline and metric_value(metrics(server), "specdec_active_sequences", model="specdec") > 0:
+    while time.time() < deadline and metric_value(metrics(server), "specdec_active_sequences", model="generator") > 0:
         time.sleep(0.2)
     m = metrics(server)
-    assert metric_value(m, "specdec_active_sequences", model="specdec") == 0
-    assert metric_value(m, "specdec_finished_requests_total", model="specdec", reason="cancelled") >= 1
+    assert metric_value(m, "specdec_active_sequences", model="generator") == 0
+    assert metric_value(m, "specdec_finished_requests_total", model="generator", reason="cancelled") >= 1
 
 
 def test_cancel_through_ensemble_stops_generator(server):
@@ -268,9 +268,9 @@ def test_metrics_move_after_a_request(server):
             max_tokens=40, drafter="prompt-lookup")
     after = metrics(server)
     for name in ("specdec_output_tokens_total", "specdec_target_forwards_total", "specdec_verify_batches_total"):
-        assert metric_value(after, name, model="specdec") > metric_value(before, name, model="specdec"), name
-    assert metric_value(after, "specdec_draft_tokens_total", model="specdec") > \
-        metric_value(before, "specdec_draft_tokens_total", model="specdec")
+        assert metric_value(after, name, model="generator") > metric_value(before, name, model="generator"), name
+    assert metric_value(after, "specdec_draft_tokens_total", model="generator") > \
+        metric_value(before, "specdec_draft_tokens_total", model="generator")
     for name in ("specdec_acceptance_rate", "specdec_mean_accepted_tokens", "specdec_position_acceptance_rate",
                  "specdec_time_to_first_token_seconds_count", "specdec_time_per_output_token_seconds_count",
                  "specdec_draft_seconds_count", "specdec_verify_seconds_count", "specdec_active_sequences",

@@ -37,7 +37,7 @@ def test_build_logits_invariance_and_repository(tiny):
     m, ckpt, repo = tiny
     assert m.device is Device.CUDA and m.gpu is None and m.cost_model is not None
     assert all(ef.batch_invariant for ef in m.engines.values()), {k: e.batch_invariant for k, e in m.engines.items()}
-    assert "KIND_CPU" in (repo / "specdec" / "config.pbtxt").read_text()
+    assert "KIND_CPU" in (repo / "generator" / "config.pbtxt").read_text()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 29)
     with torch.no_grad():

@@ -37,11 +37,11 @@ def _serve_config(repo: Path):
     """ServeConfig as the Triton model builds it, from config.pbtxt's parameters."""
     from backend.triton_glue import serve_config
 
-    text = (repo / "specdec" / "config.pbtxt").read_text()
+    text = (repo / "generator" / "config.pbtxt").read_text()
     params = {k: {"string_value": v} for k, v in
               re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)}
     return serve_config({"model_config": json.dumps({"parameters": params}),
-                         "model_repository": str(repo / "specdec")})
+                         "model_repository": str(repo / "generator")})
 
 
 class _Sink:

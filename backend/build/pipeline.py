@@ -168,7 +168,27 @@ def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:
         "drafts": ",".join(sorted(m.drafts)) or "none",
         "default_drafter": cfg.extra.get("default_drafter", "auto"),
         "instance_kind": "KIND_GPU" if m.gpu else "KIND_CPU",
+        "remote_draft": cfg.extra.get("remote_draft", ""),
+        "remote_draft_kind": cfg.extra.get("remote_draft_kind", "draft-model"),
     }
+
+
+def write_draft_node(repository: Path, kind: str, output: Path) -> Path:
+    """A model repository with only the `draft` model: a draft node serving `kind` (draft-model
+    or eagle) from the engines built in `repository`."""
+    from backend.build.templates import fill
+
+    engine_dir = (Path(repository) / ENGINE_SUBDIR).resolve()
+    m = EngineManifest.load(engine_dir)
+    src = Path(__file__).resolve().parents[1] / "serve" / "draft_node"
+    dst = Path(output) / "draft"
+    (dst / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "1" / "model.py", dst / "1" / "model.py")
+    text = fill((src / "config.pbtxt.template").read_text(),
+                {"engine_dir": str(engine_dir), "draft_kind": kind,
+                 "instance_kind": "KIND_GPU" if m.gpu else "KIND_CPU"}, str(src))
+    (dst / "config.pbtxt").write_text(text)
+    return dst
 
 
 def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Path, stem: str,

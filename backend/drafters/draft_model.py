@@ -36,9 +36,13 @@ class DraftModelDrafter:
     def __init__(self, runtime: Runtime, width: int = 1, max_tokens: int = 8):
         self.rt = runtime
         self.width = max(1, width)
-        self.traits = DrafterTraits(tree=False, max_budget=max_tokens, max_forwards=max_tokens,
-                                    cost_key=self.name, catches_up=True)
+        self.traits = self.make_traits(max_tokens)
         self._fed: dict[int, int] = {}           # seq_id -> tokens of all_ids in the draft KV
+
+    @classmethod
+    def make_traits(cls, max_tokens: int) -> DrafterTraits:
+        return DrafterTraits(tree=False, max_budget=max_tokens, max_forwards=max_tokens,
+                             cost_key=cls.name, catches_up=True)
 
     def check_params(self, params: SamplingParams) -> None:
         return None                              # any draw is lossless (verify.py)

@@ -42,10 +42,14 @@ class EagleDrafter:
         self.rt = runtime
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
-        self.traits = DrafterTraits(tree=True, max_budget=max_nodes, max_forwards=depth,
-                                    cost_key=self.name, catches_up=True, needs_hidden=True)
+        self.traits = self.make_traits(depth, max_nodes)
         self._pending: dict[int, list[np.ndarray]] = {}      # chunks of [n, H] target features not yet fed
         self._fed: dict[int, int] = {}
+
+    @classmethod
+    def make_traits(cls, depth: int, max_nodes: int) -> DrafterTraits:
+        return DrafterTraits(tree=True, max_budget=max_nodes, max_forwards=depth, cost_key=cls.name,
+                             catches_up=True, needs_hidden=True)
 
     @classmethod
     def from_manifest(cls, manifest, spec: SpecConfig, options=None) -> "EagleDrafter":

@@ -122,6 +122,7 @@ class TritonServer:
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         env["LD_LIBRARY_PATH"] = ":".join(x for x in (libdir, str(paths.libs), env.get("LD_LIBRARY_PATH", "")) if x)
+        env["SPECDEC_GRPC_URL"] = self.grpc_url          # `remote_draft local`: this server's node
         env.update(self.extra_env)
         return cmd, env
 
@@ -147,6 +148,46 @@ class TritonServer:
                 return r.status == 200
         except Exception:
             return False
+
+    def stubs(self) -> dict[str, tuple[int, str]]:
+        """The Python backend stubs of this server: model instance name -> (pid, process state;
+        "Z" for one that died), read from /proc."""
+        out = {}
+        if self.proc is None:
+            return out
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) != self.proc.pid:
+                    continue
+                pid = int(stat.split("/")[2])
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            # argv: stub, model.py, shm region, sizes (2), parent pid, lib dir, ipc handle,
+            # instance name ("generator_0_0"), runtime
+            if len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub"):
+                out[argv[8].decode()] = (pid, fields[0])
+        return out
+
+    def rss_bytes(self) -> dict[str, int]:
+        """Resident memory of each stub (model instance name -> bytes)."""
+        out = {}
+        for name, (pid, _) in self.stubs().items():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[name] = int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return out
+
+    def kill(self) -> None:
+        """Kill the server and its stubs at once (a restart does not wait for the exit timeout)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.stop()
 
     def stop(self) -> int | None:
         rc = None

@@ -1,9 +1,9 @@
-"""Triton model `generator`: the ensemble's decoupled token-level step.
+"""Triton model `generator`: the decoupled token-level step, and the server's one engine holder.
 
-Token ids in (from `preprocessing`), one response per decoding step out (cumulative output ids
-plus the character range of new text, for `postprocessing`). Same Service as `specdec`, in
-"ids" mode; a request with `stop` = true stops the sequence named by `sequence_key` (the
-ensemble's cancellation path, see postprocessing).
+Token ids in (from the ensemble's `preprocessing`, or from the `specdec` relay), one response per
+decoding step out (cumulative output ids plus the character range of new text). A request with
+`stop` = true stops the sequence named by `sequence_key` (cancellation through the ensemble or
+the relay).
 """
 import triton_python_backend_utils as pb_utils
 
@@ -12,7 +12,7 @@ from backend.triton_glue import Service
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.service = Service(pb_utils, args, mode="ids")
+        self.service = Service(pb_utils, args)
 
     def execute(self, requests):
         for request in requests:

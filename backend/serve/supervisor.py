@@ -1,0 +1,98 @@
+"""Keep a tritonserver serving after a model process dies, and the canary health check.
+
+Triton 2.51's Python backend never restarts a decoupled model's stub, its readiness does not
+notice the death, and the in-flight streams of the dead stub never get a final response
+(../shared/reference/reliability.md). So `specdec serve` supervises what it started: a thread
+watches the stub processes (children of tritonserver, /proc) every `poll_s` and runs a canary
+generation every `canary_s`; when a stub is gone or a zombie, or the canary gets no answer in
+time or says a stub is unhealthy, the whole server is killed (every open stream then ends at the
+client with a connection error at once, and readiness stops answering) and started again on the
+same ports. Deployments that run `tritonserver` themselves get the same canary as
+`specdec health`, for a liveness probe.
+Knows: processes, HTTP. Does not know: the models.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def canary(http_url: str, model: str = "specdec", timeout: float = 30.0) -> tuple[bool, str]:
+    """One short greedy generation through `model` with a deadline -> (healthy, what happened).
+    An overloaded server (503: its queue is full) counts as alive."""
+    body = json.dumps({"text_input": "ping", "max_tokens": 2, "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+            ok = r.status == 200 and "text_output" in out
+            return ok, f"{'ok' if ok else 'bad answer'} in {time.time() - t0:.2f}s"
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")[:300]
+        return e.code == 503, f"HTTP {e.code}: {text}"
+    except Exception as e:                      # timeout, refused connection, reset
+        return False, f"{type(e).__name__}: {e}"
+
+
+class Supervisor:
+    """Start `server` and restart it whenever one of its model processes dies or the canary fails."""
+
+    def __init__(self, server, poll_s: float = 0.25, canary_s: float = 30.0,
+                 canary_timeout_s: float = 60.0, on_event=None):
+        self.server = server
+        self.poll_s, self.canary_s, self.canary_timeout_s = poll_s, canary_s, canary_timeout_s
+        self.on_event = on_event or (lambda msg: None)
+        self.restarts: list[dict] = []
+        self._expected: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specdec-supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        self.server.start()
+        self._expected = set(self.server.stubs())
+        self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.canary_timeout_s + 5)
+        return self.server.stop()
+
+    def failure(self) -> str | None:
+        """Why the server needs a restart now, or None."""
+        if self.server.proc is None or self.server.proc.poll() is not None:
+            return "tritonserver exited"
+        stubs = self.server.stubs()
+        dead = sorted(n for n in self._expected if n not in stubs or stubs[n][1] in ("Z", "X"))
+        return f"model process {', '.join(dead)} died" if dead else None
+
+    def restart(self, reason: str) -> None:
+        t0 = time.time()
+        self.on_event(f"restarting tritonserver: {reason}")
+        self.server.kill()
+        self.server.start()
+        self._expected = set(self.server.stubs())
+        seconds = time.time() - t0
+        self.restarts.append({"reason": reason, "seconds": round(seconds, 2), "at": t0})
+        self.on_event(f"tritonserver serving again after {seconds:.1f}s")
+
+    def _run(self) -> None:
+        last_canary = time.time()
+        while not self._stop.wait(self.poll_s):
+            reason = self.failure()
+            if reason is None and time.time() - last_canary >= self.canary_s:
+                ok, what = canary(self.server.http_url, timeout=self.canary_timeout_s)
+                last_canary = time.time()
+                reason = None if ok or self._stop.is_set() else f"canary failed ({what})"
+            if reason is not None and not self._stop.is_set():
+                try:
+                    self.restart(reason)
+                except Exception as exc:             # keep supervising: try again next poll
+                    self.on_event(f"restart failed: {type(exc).__name__}: {exc}")
+                last_canary = time.time()

@@ -1,0 +1,95 @@
+"""The `specdec` Triton model as a relay to `generator`, so a server holds one copy of the engines.
+
+`specdec` takes text and streams text; `generator` (the ensemble's middle step) holds the engines,
+the tokenizer, the scheduler and the metrics. For each request `specdec` opens a streaming BLS
+request to `generator` with the same inputs and streams its text back (one response per step, or
+all of it in one for a non-streaming request). So this process holds no engine and no tokenizer.
+A client cancel becomes a `stop` request for the generator's sequence (the same path as the
+ensemble's). BLS loses an error's code on Triton 2.51 (it arrives as INTERNAL), so the relay
+restores it from the message: our client errors start with the input's name (`top_p: ...`),
+overload with `unavailable:` (triton_io.error_code).
+Knows: BLS, the generator's tensors. Does not know: tokens, decoding.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+
+import numpy as np
+
+from backend import triton_glue, triton_io
+
+log = logging.getLogger("specdec.relay")
+
+GENERATOR = "generator"
+FORWARDED = (triton_io.TEXT_INPUT, "apply_chat_template", "max_tokens", "temperature", "top_k", "top_p",
+             "min_p", "random_seed", "stop_words", "end_id", "num_draft_tokens", "drafter")
+
+
+class TextRelay:
+    def __init__(self, pb, args: dict):
+        self.pb = pb
+        self._keys = itertools.count()
+        self._prefix = f"specdec-{os.getpid()}-"
+
+    def handle(self, request) -> None:
+        try:
+            inputs = triton_glue.request_inputs(request)
+            stream, batched = triton_io.flags(inputs)
+        except Exception as exc:
+            triton_glue.fail_request(self.pb, request, exc)
+            return
+        key = f"{self._prefix}{next(self._keys)}"
+        threading.Thread(target=self._relay, args=(request, inputs, stream, batched, key), daemon=True,
+                         name=f"relay-{key}").start()
+
+    def _generator_request(self, inputs: dict, key: str):
+        pb = self.pb
+        tensors = [pb.Tensor("stream", np.array([[True]]))]
+        for name in FORWARDED:
+            if name in inputs:
+                tensors.append(pb.Tensor(name, np.asarray(inputs[name]).reshape(1, -1)))
+        return pb.InferenceRequest(model_name=GENERATOR, inputs=tensors, request_id=key,
+                                   requested_output_names=[triton_io.TEXT_OUTPUT, *triton_io.STAT_OUTPUTS])
+
+    def _relay(self, request, inputs, stream: bool, batched: bool, key: str) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        parts, last, done = [], None, False
+        try:
+            for resp in self._generator_request(inputs, key).exec(decoupled=True):
+                if resp.has_error():
+                    msg = resp.error().message()
+                    code = getattr(pb.TritonError, triton_io.error_code(msg))
+                    sender.send(pb.InferenceResponse(error=pb.TritonError(msg, code)), flags=final)
+                    return
+                if done:
+                    continue                                  # drain after a cancel
+                if sender.is_cancelled():
+                    triton_glue.stop_generator(pb, key)
+                    done = True
+                    continue
+                out = {t.name(): t.as_numpy() for t in resp.output_tensors()}
+                if triton_io.TEXT_OUTPUT not in out:
+                    continue                                  # the empty final response
+                last = out
+                if stream:
+                    self._send(sender, out, batched)
+                else:
+                    parts.append(np.asarray(out[triton_io.TEXT_OUTPUT]).reshape(-1)[0].decode("utf-8"))
+            if not stream and last is not None and not done:
+                last[triton_io.TEXT_OUTPUT] = np.array(["".join(parts).encode("utf-8")], np.object_)
+                self._send(sender, last, batched, flags=final)
+            else:
+                sender.send(flags=final)
+        except Exception as exc:
+            log.exception("relay to %s failed", GENERATOR)
+            sender.send(triton_glue.error_response(pb, exc, internal=True), flags=final)
+
+    def _send(self, sender, out: dict, batched: bool, flags: int = 0) -> None:
+        arrays = triton_io.relay_outputs(out)
+        arrays = triton_io.with_batch_dim(arrays) if batched else arrays
+        sender.send(self.pb.InferenceResponse(output_tensors=triton_glue.tensors(self.pb, arrays)), flags=flags)
