@@ -130,13 +130,24 @@ def cmd_serve(args) -> int:
     import signal
     import threading
 
+    from backend.build.embedded import GGUF_NAME
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.manifest import MANIFEST_VERSION
     from backend.serve.launcher import TritonServer
     from backend.serve.supervisor import Supervisor
 
     repo = Path(args.model_repository)
-    if not (repo / ENGINE_SUBDIR / "manifest.json").exists() and not (repo / "draft" / "config.pbtxt").exists():
+    manifest = repo / ENGINE_SUBDIR / "manifest.json"
+    if not manifest.exists() and not (repo / "draft" / "config.pbtxt").exists():
         print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
+        build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
+    elif manifest.exists() and json.loads(manifest.read_text()).get("version") != MANIFEST_VERSION:
+        source = json.loads(manifest.read_text()).get("source", "")
+        if Path(source).name != GGUF_NAME:
+            print(f"the engines in {repo} were built by an older specdec; rebuild them with "
+                  f"`specdec build --target {source} --output {repo}` (and your --draft options)", flush=True)
+            return 2
+        print(f"the embedded default in {repo} was built by an older specdec: rebuilding ...", flush=True)
         build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2          # 2: cuda engines, gpu; generator sends text (rebuild older repositories)
 
 
 class WeightFormat(str, enum.Enum):

@@ -102,9 +102,10 @@ class ResponseSink:
     everything, carrying the final flag (so HTTP /generate works). Always ends with FINAL.
     """
 
-    def __init__(self, pb, sender, encode, stream: bool, batched: bool):
+    def __init__(self, pb, sender, encode, stream: bool, batched: bool, split_errors: bool = False):
         self.pb, self.sender, self.encode = pb, sender, encode
         self.stream, self.batched = stream, batched
+        self.split_errors = split_errors
         self.last: StepOutput | None = None
         self.parts: list[str] = []
         self.ids: list[int] = []
@@ -127,14 +128,24 @@ class ResponseSink:
             self.parts.append(out.text)
 
     def error(self, exc: Exception, internal: bool) -> None:
+        """The error with the final flag; to a BLS caller (the `specdec` relay: `split_errors`)
+        after data responses, the error and then the final flag on its own. On Triton 2.51 a BLS
+        caller receives neither if an error response carries the final flag after data responses
+        (and not the error in any case: the relay then reports a stream that ended without a
+        finish), while a final flag sent apart from a first-response error keeps the caller's
+        model alive until the server's exit timeout."""
         with self._lock:
             if self.closed:
                 return
             self.failed = True
             if internal:
                 log.error("request failed: %s", "".join(traceback.format_exception(exc)))
-            self.sender.send(error_response(self.pb, exc, internal),
-                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            if self.split_errors and self.last is not None:
+                self.sender.send(error_response(self.pb, exc, internal))
+                self.sender.send(flags=final)
+            else:
+                self.sender.send(error_response(self.pb, exc, internal), flags=final)
             self.closed = True
 
     def cancelled(self) -> bool:
@@ -241,7 +252,8 @@ class Service:
             if whole:
                 arrays[triton_io.TEXT_START][0] = 0
             return arrays
-        sink = ResponseSink(pb, request.get_response_sender(), encode, parsed.stream, parsed.batched)
+        sink = ResponseSink(pb, request.get_response_sender(), encode, parsed.stream, parsed.batched,
+                            split_errors=key.startswith(triton_io.RELAY_KEY_PREFIX))
         self.scheduler.submit(parsed.request, sink, key)
 
     def close(self) -> None:

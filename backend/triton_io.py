@@ -34,6 +34,7 @@ REQUEST_INPUTS = (TEXT_INPUT, INPUT_IDS, "apply_chat_template", "max_tokens", "t
                   "top_p", "min_p", "random_seed", "stop_words", "end_id", "stream",
                   "num_draft_tokens", "drafter", STOP, SEQUENCE_KEY)
 UNAVAILABLE = "unavailable"         # the message prefix of an overload error (Overloaded)
+RELAY_KEY_PREFIX = "specdec-relay-"  # request ids of the `specdec` relay's BLS requests
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -177,6 +178,13 @@ def error_code(message: str) -> str:
     if head == UNAVAILABLE:
         return "UNAVAILABLE"
     return "INVALID_ARG" if head in REQUEST_INPUTS else "INTERNAL"
+
+
+def finished(out: dict | None) -> bool:
+    """Whether a generator response says its request finished (stop, length or cancelled)."""
+    if out is None or "finish_reason" not in out:
+        return False
+    return bool(np.asarray(out["finish_reason"]).reshape(-1)[0])
 
 
 def relay_outputs(out: dict) -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ class TextRelay:
     def __init__(self, pb, args: dict):
         self.pb = pb
         self._keys = itertools.count()
-        self._prefix = f"specdec-{os.getpid()}-"
+        self._prefix = f"{triton_io.RELAY_KEY_PREFIX}{os.getpid()}-"
 
     def handle(self, request) -> None:
         try:
@@ -58,16 +58,17 @@ class TextRelay:
         pb = self.pb
         sender = request.get_response_sender()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        parts, last, done = [], None, False
+        parts, last, done, sent = [], None, False, False
         try:
             for resp in self._generator_request(inputs, key).exec(decoupled=True):
+                if done:
+                    continue                                  # drain after a cancel or an error
                 if resp.has_error():
                     msg = resp.error().message()
                     code = getattr(pb.TritonError, triton_io.error_code(msg))
                     sender.send(pb.InferenceResponse(error=pb.TritonError(msg, code)), flags=final)
-                    return
-                if done:
-                    continue                                  # drain after a cancel
+                    done = sent = True                        # the generator's final flag follows
+                    continue
                 if sender.is_cancelled():
                     triton_glue.stop_generator(pb, key)
                     done = True
@@ -80,7 +81,16 @@ class TextRelay:
                     self._send(sender, out, batched)
                 else:
                     parts.append(np.asarray(out[triton_io.TEXT_OUTPUT]).reshape(-1)[0].decode("utf-8"))
-            if not stream and last is not None and not done:
+            if done:
+                if not sent:
+                    sender.send(flags=final)
+            elif not triton_io.finished(last):
+                # the generator ended the stream without a finish: an error it could not deliver
+                # through BLS (see ResponseSink.error); never leave the client without one
+                sender.send(pb.InferenceResponse(error=pb.TritonError(
+                    "generator ended the stream without finishing it (an internal error: see the "
+                    "server log)", pb.TritonError.INTERNAL)), flags=final)
+            elif not stream and last is not None:
                 last[triton_io.TEXT_OUTPUT] = np.array(["".join(parts).encode("utf-8")], np.object_)
                 self._send(sender, last, batched, flags=final)
             else:

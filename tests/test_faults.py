@@ -201,6 +201,29 @@ def test_one_copy_of_the_engines_per_server(capped):
     assert biggest == rss["generator_0_0"] and total <= 1.3 * biggest, rss
 
 
+def test_an_internal_error_mid_stream_ends_every_stream_with_an_error(built_repo, tmp_path):
+    """A decoding step that raises (injected into a copy of the generator) after the first token
+    was streamed: `specdec` and ensemble clients get an error at once, never silence."""
+    repo = repo_with(built_repo, tmp_path / "repo")
+    model = repo / "generator" / "1" / "model.py"
+    model.write_text(model.read_text().replace(
+        "self.service = Service(pb_utils, args)",
+        "self.service = Service(pb_utils, args)\n"
+        "        def step(seqs):\n"
+        "            raise RuntimeError('injected step failure')\n"
+        "        self.service.decoder.step = step"))
+    srv = TritonServer(repo, log_file=tmp_path / "server.log")
+    srv.start()
+    try:
+        for model_name in ("specdec", "ensemble"):
+            s = Stream(srv.grpc_url, model_name, "Say hello.", max_tokens=20)
+            assert s.done.wait(30), f"{model_name}: silence after an internal error"
+            assert s.error is not None and (s.chunks or model_name == "ensemble"), (model_name, s.error)
+            s.close()
+    finally:
+        srv.kill()
+
+
 def test_a_draft_node_that_dies_mid_stream_never_hurts_the_target(built_repo, tmp_path):
     """The self-draft on its own server: the target's greedy streams equal plain decoding with the
     node up, killed mid-stream (the step falls back; nothing fails) and back again (used again
