@@ -149,13 +149,14 @@ def test_quality_reports_top1_agreement_and_kl(tiny, tmp_path):
     assert fp8["kl_mean"] > 0 and [p["positions"] for p in saved["prompts"]] == [12, 12]
 
 
-def test_check_kernels_lists_both_kernels_ok(tmp_path):
+def test_check_kernels_lists_the_kernels_and_the_engine_graph_ok(tmp_path):
     from backend.cli import main
 
     assert main(["check-kernels", "--json", str(tmp_path / "k.json")]) == 0
     report = json.loads((tmp_path / "k.json").read_text())
-    assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify"]
+    assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify", "engine_graph"]
     assert all(k["ok"] and k["cases"] > 0 for k in report["kernels"]) and report["kernels"][0]["bitwise_invariant"]
+    assert report["kernels"][2]["max_abs_err"] <= 1e-4 and report["kernels"][2]["rejection_sample_equal"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@
 GPU. Writes {"device": str, "kernels": [{"name", "cases", "max_abs_err", "ok"}, ...]}; for
 tree_attention also whether one verify of a tree gives every node the bits of single steps along
 its path (`bitwise_invariant`), and for verify the number of rows whose accepted path or final
-token differs (`mismatched_rows`, max_abs_err is then the largest token-id difference).
+token differs (`mismatched_rows`, max_abs_err is then the largest token-id difference); and the TensorRT engine
+graph against the standard CPU graph (`engine_graph`: largest logit difference, and whether its
+rejection_sample equals backend/verify.py).
 """
 from __future__ import annotations
 
@@ -99,13 +101,27 @@ def check_verify(dev: str, rng) -> dict:
     return {"name": "verify", "cases": n, "max_abs_err": float(err), "ok": err == 0, "mismatched_rows": bad}
 
 
+def check_engine_graph() -> dict:
+    """The TensorRT engine graph on ONNX Runtime's CPU provider (its specdec:: ops by the
+    references) against the standard CPU graph (plugins/engine_check.py)."""
+    try:
+        from plugins import engine_check
+    except ImportError as exc:               # onnxruntime-extensions: the `engine` extra
+        return {"name": "engine_graph", "cases": 0, "max_abs_err": float("nan"), "ok": False,
+                "skipped": f"{exc}"}
+    r = engine_check.compare()
+    return {"name": "engine_graph", "cases": r["cases"], "max_abs_err": r["max_abs_err"],
+            "ok": r["max_abs_err"] <= 1e-4 and r["verify_equal"], "rejection_sample_equal": r["verify_equal"]}
+
+
 def run(json_path: str | None) -> dict:
     device = _setup()
     import torch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rng = np.random.default_rng(0)
-    result = {"device": device, "kernels": [check_attention(dev, rng), check_verify(dev, rng)]}
+    result = {"device": device, "kernels": [check_attention(dev, rng), check_verify(dev, rng),
+                                            check_engine_graph()]}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     for k in result["kernels"]:

@@ -45,6 +45,8 @@ class GraphSpec:
     num_layers: int          # <= config.num_layers (self-draft: first N layers + final head)
     max_positions: int       # size of the rotary tables
     eagle: bool = False      # EAGLE draft head: extra input `features` fused with the embedding
+    plugins: bool = False    # the engine graph: attention and verification as specdec:: nodes
+                             # (engine_graph.py), for TensorRT; else standard ops (ONNX Runtime)
 
 
 class _Builder:
@@ -181,9 +183,14 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
-        helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]),
         helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"]),
     ]
+    if spec.plugins:
+        from backend.build import engine_graph
+
+        attention = engine_graph.PluginAttention(g, cfg, inputs)
+    else:
+        inputs.insert(2, helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]))
     outputs = [
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h]),
@@ -198,9 +205,10 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
     cos_t, sin_t = rope_tables(cfg, spec.max_positions)
     cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
     sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
-    # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
-    bias = g.op("Unsqueeze", [g.op("Concat", ["attn_bias"] * grp, axis=1) if grp > 1 else "attn_bias",
-                              g.i64(1)])
+    if not spec.plugins:
+        # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
+        bias = g.op("Unsqueeze", [g.op("Concat", ["attn_bias"] * grp, axis=1) if grp > 1 else "attn_bias",
+                                  g.i64(1)])
 
     def rmsnorm(v: str, weight: SourceTensor) -> str:
         # The exact pattern ORT fuses into SimplifiedLayerNormalization.
@@ -213,10 +221,11 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
         has = lambda n: f"layers.{i}.{n}" in ckpt.tensors
         past_k, past_v = f"past_key_{i}", f"past_value_{i}"
         pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
-        for nm in (past_k, past_v):
-            inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
-        for nm in (pres_k, pres_v):
-            outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
+        if not spec.plugins:
+            for nm in (past_k, past_v):
+                inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
+            for nm in (pres_k, pres_v):
+                outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
 
         hn = rmsnorm(x, t("attn_norm"))
         wqkv = _cat([_weight(t("q"), spec.weights, qscale), _weight(t("k"), spec.weights),
@@ -232,6 +241,13 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
         r1 = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
         r2 = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
         q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(nh, nkv)], n_out=2, axis=2)
+        if spec.plugins:                              # q [B,T,Hq,D], k and v [B,T,Hkv,D]
+            o = attention.layer(i, q, k, v, outputs)
+            x = g.op("Add", [x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights))])
+            x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm)
+            if progress is not None:
+                progress(1)
+            continue
         q = g.op("Reshape", [g.op("Transpose", [q], perm=[0, 2, 1, 3]), g.i64(0, nkv, -1, d)])
         k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
         v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
@@ -247,13 +263,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
         o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
                                   perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
         x = g.op("Add", [x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights))])
-
-        hn = rmsnorm(x, t("mlp_norm"))
-        wgu = _cat([_weight(t("gate"), spec.weights), _weight(t("up"), spec.weights)])
-        gate, up = g.op("Split", [lin(hn, f"l{i}.gate_up", wgu),
-                                  g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, lin(act, f"l{i}.down", _weight(t("down"), spec.weights))])
+        x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm)
         if progress is not None:
             progress(1)
 
@@ -268,12 +278,26 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
     else:
         head_w = quant.quantize_rtn(head.float32(), bits=8, block_size=32)
     g.op("Identity", [lin(rows, "lm_head", head_w)], outputs=["logits"])
+    if spec.plugins:
+        attention.verify_tail(inputs, outputs)
 
     graph = helper.make_graph(g.nodes, "specdec_decoder", inputs, outputs, g.inits)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    if spec.plugins:
+        opsets.append(helper.make_opsetid("specdec", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
     model.ir_version = 8
     return model
+
+
+def _mlp(g: _Builder, lin: _Linear, cfg: ModelConfig, spec: GraphSpec, i: int, t, x: str, rmsnorm) -> str:
+    """x + down(silu(gate(norm x)) * up(norm x)): layer i's SwiGLU block with its residual."""
+    hn = rmsnorm(x, t("mlp_norm"))
+    wgu = _cat([_weight(t("gate"), spec.weights), _weight(t("up"), spec.weights)])
+    gate, up = g.op("Split", [lin(hn, f"l{i}.gate_up", wgu),
+                              g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    return g.op("Add", [x, lin(act, f"l{i}.down", _weight(t("down"), spec.weights))])
 
 
 def save_model(model: onnx.ModelProto, path) -> int:

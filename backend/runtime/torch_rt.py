@@ -4,10 +4,10 @@ decode step. On a CPU (tests, the FP8 quality measurement) the same code runs wi
 numpy references in their place.
 
 KV: one tensor [layers, 2, S + 1, Hkv, L, D] allocated at load (S = RuntimeOptions.max_sequences;
-slot S takes the writes of padding rows; L = max_seq_len + SCRATCH_COLUMNS for tree nodes). A sequence owns a slot while it lives: its committed
-tokens at columns [0, length), the nodes of the forwards since its last commit (scratch) right
-after them. Joins and leaves cost nothing (no KV groups, unlike the ONNX runtime); commit moves the
-accepted nodes' columns down to the committed end (a few columns per row), so no garbage stays.
+slot S takes the writes of padding rows; L = max_seq_len + SCRATCH_COLUMNS for tree nodes), its
+bookkeeping in kv_slots.py: joins and leaves cost nothing (no KV groups, unlike the ONNX
+runtime); commit moves the accepted nodes' columns down to the committed end (a few columns per
+row), so no garbage stays.
 A forward's tree attention reads each node's committed columns and its path (plugins/reference.py).
 
 CUDA graphs: a decode-sized step (rows <= 64, nodes per row <= 32) is padded to a (batch, width)
@@ -17,13 +17,12 @@ Knows: torch tensors, slots, CUDA graphs. Does not know: sampling rules, draftin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
+from backend.kv_slots import SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
 from backend.runtime.torch_model import TorchModel, load_tensors
@@ -31,13 +30,6 @@ from backend.runtime.torch_model import TorchModel, load_tensors
 SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-@dataclass
-class _Seq:
-    slot: int
-    length: int = 0                                       # committed columns
-    paths: list[list[int]] = field(default_factory=list)  # scratch node -> its path (scratch ids)
 
 
 def _bucket(n: int, sizes: tuple) -> int | None:
@@ -63,35 +55,30 @@ class TorchRuntime:
         self.columns = max_seq_len + SCRATCH_COLUMNS
         self.cache = torch.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
                                   config.head_dim), dtype=kv_dtype, device=self.device)
-        self._free = list(range(self.capacity))
-        self._seqs: dict[int, _Seq] = {}
+        self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._graphs: dict[tuple[int, int], tuple] = {}
         self.use_graphs = self.device.type == "cuda" and options.cuda_graphs
 
     # --- sequences ---------------------------------------------------------------------------
     def alloc(self, seq_id: int) -> None:
-        assert seq_id not in self._seqs, f"sequence {seq_id} already allocated"
-        if not self._free:
-            raise RuntimeError(f"all {self.capacity} KV slots are taken (RuntimeOptions.max_sequences)")
-        self._seqs[seq_id] = _Seq(self._free.pop(0))
+        self.slots.alloc(seq_id)
 
     def free(self, seq_id: int) -> None:
-        s = self._seqs.pop(seq_id, None)
-        if s is not None:
-            self._free.append(s.slot)
+        self.slots.free(seq_id)
 
     def length(self, seq_id: int) -> int:
-        return self._seqs[seq_id].length
+        return self.slots.length(seq_id)
 
     def room(self) -> int:
-        return len(self._free)
+        return self.slots.room()
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput:
         b, t = input_ids.shape
         assert parents.shape == (b, t) and logits_index.shape[0] == b, (parents.shape, logits_index.shape)
-        host, new_paths = self._layout(seq_ids, parents)
+        host, new_paths = self.slots.layout(seq_ids, parents)
+        del host["n_prior"]                  # the attention reads scratch from the cache
         host["ids"] = np.asarray(input_ids, np.int64)
         host["index"] = np.asarray(logits_index, np.int64)
         if extra_inputs:
@@ -103,44 +90,8 @@ class TorchRuntime:
             logits, hidden = logits[:b, : logits_index.shape[1]], hidden[:b, :t]
         else:
             logits, hidden = self._compute({k: self._dev(v) for k, v in host.items()})
-        for sid, paths in zip(seq_ids, new_paths):
-            self._seqs[sid].paths.extend(paths)
+        self.slots.extend(seq_ids, new_paths)
         return ForwardOutput(logits, hidden)
-
-    def _layout(self, seq_ids, parents):
-        """Host arrays of a forward: rotary positions, the (slot, column) each node's KV is
-        written to, and the paths tree attention reads; plus each row's new scratch paths."""
-        b, t = parents.shape
-        spare, L = self.capacity, self.columns
-        pos = np.zeros((b, t), np.int64)
-        wslot = np.zeros((b, t), np.int64)
-        wcol = np.zeros((b, t), np.int64)
-        new_paths = []
-        for r, sid in enumerate(seq_ids):
-            s = self._seqs[sid]
-            n0 = len(s.paths)
-            mine = []
-            for j in range(t):
-                p = int(parents[r, j])
-                path = [] if p == PAD_PARENT else ([n0 + j] if p < 0 else
-                                                   (s.paths[p] if p < n0 else mine[p - n0]) + [n0 + j])
-                assert p < n0 + j, f"parent {p} of scratch node {n0 + j} is not an earlier node"
-                mine.append(path)
-                col = s.length + n0 + j
-                pos[r, j] = s.length + max(len(path) - 1, 0)
-                if path and (col >= L or pos[r, j] >= self.max_seq_len):
-                    raise ValueError(f"sequence too long: position {pos[r, j]} (column {col}) >= "
-                                     f"max_seq_len {self.max_seq_len}")
-                wslot[r, j], wcol[r, j] = (s.slot, col) if col < L else (spare, j)
-            new_paths.append(mine)
-        paths = np.full((b, t, max(1, max(len(p) for m in new_paths for p in m))), -1, np.int32)
-        for r, mine in enumerate(new_paths):
-            for j, path in enumerate(mine):
-                paths[r, j, : len(path)] = path
-        ctx = np.array([self._seqs[s].length for s in seq_ids], np.int32)
-        slots = np.array([self._seqs[s].slot for s in seq_ids], np.int32)
-        return {"pos": pos, "wslot": wslot, "wcol": wcol, "paths": paths, "ctx": ctx,
-                "slots": slots}, new_paths
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -190,31 +141,14 @@ class TorchRuntime:
 
     # --- commit ------------------------------------------------------------------------------
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
-        """Keep scratch nodes `keep` (increasing; a root-to-node path) of each row: their
-        columns move down to the committed end, the rest of the scratch is dropped."""
-        moves = [[], [], []]                                  # slots, from, to
-        for sid, nodes in zip(seq_ids, keep):
-            s = self._seqs[sid]
-            nodes = np.asarray(nodes, np.int64)
-            assert nodes.size == 0 or (np.all(np.diff(nodes) > 0) and nodes[-1] < len(s.paths)), \
-                (nodes.tolist(), len(s.paths))
-            src = s.length + nodes
-            dst = s.length + np.arange(nodes.size)
-            moved = src != dst
-            if moved.any():
-                moves[0].append(np.full(int(moved.sum()), s.slot))
-                moves[1].append(src[moved])
-                moves[2].append(dst[moved])
-            s.length += int(nodes.size)
-            s.paths = []
-        if moves[0]:
-            sl, src, dst = (self._dev(np.concatenate(m)) for m in moves)
+        """Keep scratch nodes `keep` of each row: their columns move down to the committed end."""
+        sl, src, dst = self.slots.commit(seq_ids, keep)
+        if sl.size:
+            sl, src, dst = self._dev(sl), self._dev(src), self._dev(dst)
             self.cache[:, :, sl, :, dst] = self.cache[:, :, sl, :, src]
 
     def truncate(self, seq_id: int, length: int) -> None:
-        s = self._seqs[seq_id]
-        assert 0 <= length <= s.length, (length, s.length)
-        s.length, s.paths = length, []
+        self.slots.truncate(seq_id, length)
 
     # --- verify ------------------------------------------------------------------------------
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
@@ -243,7 +177,7 @@ class TorchRuntime:
                 for r, d in enumerate(drafts)]
 
     def close(self) -> None:
-        self._seqs.clear()
+        self.slots.clear()
         self._graphs.clear()
         self.cache = None
 
