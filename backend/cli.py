@@ -10,17 +10,21 @@ from pathlib import Path
 from backend.config import DrafterKind
 
 DEFAULT_REPO = "model_repository"
+_DEFAULT_WEIGHTS = {"cpu": "fp32,q4", "cuda": "bf16,fp8", "tensorrt": "fp8"}
 
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "tensorrt"],
                    help="cpu: ONNX Runtime graphs; cuda: torch + Triton kernels (built on the GPU "
-                        "that serves; without a GPU, for this CPU)")
+                        "that serves; without a GPU, for this CPU); tensorrt: TensorRT engines with "
+                        "our plugins (built on the GPU that serves; without TensorRT and a GPU, the "
+                        "engine-ready ONNX only)")
     p.add_argument("--weights", default=None,
                    help="weight formats to build, comma separated (first = serving default): "
-                        "fp32, q4 for cpu (default fp32,q4); fp32, bf16, fp8 for cuda (default bf16,fp8)")
+                        "fp32, q4 for cpu (default fp32,q4); fp32, bf16, fp8 for cuda (default bf16,fp8); "
+                        "fp32, fp8 for tensorrt (default fp8)")
     p.add_argument("--default-format", default=None, choices=["fp32", "q4", "bf16", "fp8"],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
@@ -45,7 +49,7 @@ def cmd_build(args) -> int:
     from backend.manifest import Device, WeightFormat
 
     weights = tuple(WeightFormat(w.strip()) for w in
-                    (args.weights or ("bf16,fp8" if args.device == "cuda" else "fp32,q4")).split(",") if w.strip())
+                    (args.weights or _DEFAULT_WEIGHTS[args.device]).split(",") if w.strip())
     cfg = BuildConfig(
         target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
         default_format=WeightFormat(args.default_format) if args.default_format else None,
@@ -332,7 +336,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("quality", help="teacher-forced top-1 agreement and KL of a weight format")
     p.add_argument("--model-repository", default=DEFAULT_REPO,
-                   help="a repository built with --device cuda and both formats")
+                   help="a repository built with both formats (--device cuda; or tensorrt, run with "
+                        "SPECDEC_EXECUTOR=onnxruntime where TensorRT is absent)")
     p.add_argument("--format", default="fp8")
     p.add_argument("--reference", default="fp32")
     p.add_argument("--prompts", default=default_prompts())

@@ -122,7 +122,7 @@ class SpecDecoder:
         budgets = self._budgets(seqs)
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
-        ids, parents, index = _pack(drafts)
+        ids, parents, index = pack_drafts(drafts)
         fwd = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
         verdicts = self.target.verify(fwd, drafts, [s.params for s in seqs], [s.noise for s in seqs],
                                       [len(s.output_ids) for s in seqs])
@@ -183,7 +183,7 @@ class SpecDecoder:
         return [d if d is not None else Draft.empty(s.root) for d, s in zip(drafts, seqs)]
 
 
-def _pack(drafts: list[Draft]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_drafts(drafts: list[Draft]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ragged trees -> input_ids [B, T], parents [B, T] (PAD_PARENT padding), logits_index [B, T]."""
     t = max(d.tree.num_nodes for d in drafts)
     b = len(drafts)

@@ -27,10 +27,12 @@ class WeightFormat(str, enum.Enum):
 class Device(str, enum.Enum):
     CPU = "cpu"    # ONNX Runtime graphs (runtime/ort.py)
     CUDA = "cuda"  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
+    TENSORRT = "tensorrt"  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
 
 
 FORMATS = {Device.CPU: (WeightFormat.FP32, WeightFormat.Q4),
-           Device.CUDA: (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8)}
+           Device.CUDA: (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8),
+           Device.TENSORRT: (WeightFormat.FP32, WeightFormat.FP8)}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,11 @@ $PY -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton',
 echo "== check-kernels (compiled)"
 timeout 180 $PY -m backend.cli check-kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 
+echo "== the TensorRT plugins' kernels, compiled, against the references"
+if $PY -c "import pytest" 2>/dev/null; then
+  timeout 180 $PY -m pytest -q tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log"
+fi
+
 echo "== runtime logits, cost curves, decode speed"
 timeout 300 $PY benchmarks/gpu_check.py --out "$OUT" ${QUICK:+--quick} 2>&1 | tee "$OUT/gpu_check.log"
 

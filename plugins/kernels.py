@@ -13,6 +13,13 @@ argmax of p / E over the kept set, E the Philox noise of the node's output posit
 from the row's seed), then the child that carries it. The kept set of top-k / top-p is found by a
 bitwise search over the logit values (32 passes each, no sort), min-p by its ratio; scores are
 float64 like the reference.
+
+Each op has two kernels over one program body: the GPU runtime's (`*_kernel`: strided views,
+float64 sampling parameters, the forward's nodes already in the cache) and the TensorRT
+plugin's (`*_plugin_kernel`, plugins/trt_plugins.py: arguments in TensorRT's order of inputs,
+scalars, outputs; contiguous tensors; float32 parameters; this forward's nodes read from the
+new k / v, since a plugin must not write its inputs). The same values are summed in the same
+order either way.
 Knows: tensors, kernels. Does not know: requests, models.
 """
 from __future__ import annotations
@@ -26,6 +33,8 @@ import triton.language as tl  # noqa: E402
 BLOCK_N = 32            # keys per step of tree attention
 BLOCK_V = 1024          # vocabulary entries per step of verify
 PHILOX_ROUNDS = 10
+PLUGIN_BLOCK_P = 32     # path entries per step of the plugin's path-length count
+PLUGIN_MAX_NODES = 64   # the plugin verifies trees of up to this many nodes (engine_graph.py)
 
 
 def interpreted() -> bool:
@@ -33,20 +42,25 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_ptr, scale,
-                          T, P,
-                          sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, so_b, so_t, so_h, sp_b, sp_t,
-                          G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                          BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr,
+                            paths_ptr, scale, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t, sn_h,
+                            so_b, so_t, so_h, sp_b, sp_t, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NEW: tl.constexpr):
+    """One (row, node, KV head). NEW: this forward's nodes (scratch index >= n_prior) are read
+    from kn/vn [B, T, Hkv, D] rather than the cache (the plugin: TensorRT's inputs are read-only,
+    the runtime writes them to the cache after the step); the same values in the same order."""
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     b = pid // T
     j = pid % T
     slot = tl.load(slots_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
-    pi = tl.arange(0, BLOCK_P)
-    prow = tl.load(paths_ptr + b * sp_b + j * sp_t + pi, mask=pi < P, other=-1)
-    n = ctx + tl.sum((prow >= 0).to(tl.int32), 0)          # the node's own key sequence
+    npath = tl.zeros([], tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        pi = p0 + tl.arange(0, BLOCK_P)
+        prow = tl.load(paths_ptr + b * sp_b + j * sp_t + pi, mask=pi < P, other=-1)
+        npath += tl.sum((prow >= 0).to(tl.int32), 0)
+    n = ctx + npath                                         # the node's own key sequence
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     head = hkv * G + g
@@ -63,10 +77,22 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_
         scratch = tl.load(paths_ptr + b * sp_b + j * sp_t + (c - ctx),
                           mask=valid & (c >= ctx), other=0)
         col = tl.where(in_ctx, c, ctx + scratch).to(tl.int64)
-        k = tl.load(k_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
+        if NEW:
+            nprior = tl.load(nprior_ptr + b)
+            fresh = valid & (c >= ctx) & (scratch >= nprior)
+            old = valid & (~fresh)
+            at = b.to(tl.int64) * sn_b + (scratch - nprior).to(tl.int64)[:, None] * sn_t + hkv * sn_h + d[None, :]
+            k = tl.where(fresh[:, None], tl.load(kn_ptr + at, mask=fresh[:, None], other=0.0).to(tl.float32),
+                         tl.load(k_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=old[:, None],
+                                 other=0.0).to(tl.float32))
+            v = tl.where(fresh[:, None], tl.load(vn_ptr + at, mask=fresh[:, None], other=0.0).to(tl.float32),
+                         tl.load(v_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=old[:, None],
+                                 other=0.0).to(tl.float32))
+        else:
+            k = tl.load(k_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -77,6 +103,31 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_
         m = m_new
     o = acc / tl.where(l > 0, l, 1.0)[:, None]          # a padding node sees nothing: 0
     tl.store(o_ptr + b * so_b + j * so_t + head[:, None] * so_h + d[None, :], o, mask=g[:, None] < G)
+
+
+@triton.jit
+def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_ptr, scale,
+                          T, P,
+                          sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, so_b, so_t, so_h, sp_b, sp_t,
+                          G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The GPU runtime's: the forward's nodes are in the cache already."""
+    _tree_attention_program(q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, ctx_ptr, paths_ptr,
+                            scale, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, 0, 0, 0, so_b, so_t, so_h, sp_b, sp_t,
+                            G, BLOCK_G, BLOCK_P, BLOCK_N, D, False)
+
+
+@triton.jit
+def tree_attention_plugin_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
+                                 T, P, L, o_ptr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                                 SCALE: tl.constexpr):
+    """The TensorRT plugin's (plugins/trt_plugins.py): inputs, scalars, output, as TensorRT
+    passes them; contiguous tensors, strides from the shapes."""
+    hq = HKV * G
+    _tree_attention_program(q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
+                            SCALE, T, P, T * hq * D, hq * D, D, HKV * L * D, L * D, D, T * HKV * D, HKV * D, D,
+                            T * hq * D, hq * D, D, T * P, P, G, BLOCK_G, BLOCK_P, BLOCK_N, D, True)
 
 
 @triton.jit
@@ -175,14 +226,16 @@ def _target_token(row_ptr, V, temperature, top_k, top_p, min_p, seed_lo, seed_hi
 
 
 @triton.jit
-def verify_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
-                  seeds_ptr, pos_ptr, nodes_ptr, out_ptr, num_ptr, T, V,
-                  sl_b, sl_t, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+def _verify_program(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seeds_ptr,
+                    pos_ptr, nodes_ptr, out_ptr, num_ptr, T, R, V, sl_b, sl_t,
+                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: the walk stops at a node without logits (R rows) or past BLOCK_T nodes; the
+    outputs are kept in registers and stored once, -1 padded."""
     b = tl.program_id(0)
-    temperature = tl.load(temp_ptr + b)
+    temperature = tl.load(temp_ptr + b).to(tl.float64)
     top_k = tl.load(topk_ptr + b)
-    top_p = tl.load(topp_ptr + b)
-    min_p = tl.load(minp_ptr + b)
+    top_p = tl.load(topp_ptr + b).to(tl.float64)
+    min_p = tl.load(minp_ptr + b).to(tl.float64)
     seed = tl.load(seeds_ptr + b)
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -190,21 +243,43 @@ def verify_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_
     tj = tl.arange(0, BLOCK_T)
     toks = tl.load(tokens_ptr + b * T + tj, mask=tj < T, other=-1)
     pars = tl.load(parents_ptr + b * T + tj, mask=tj < T, other=-3)
+    acc_nodes = tl.full([BLOCK_T], -1, tl.int32)
+    acc_out = tl.full([BLOCK_T], -1, tl.int64)
     node = tl.zeros([], tl.int32)
     depth = tl.zeros([], tl.int32)
     going = tl.full([], 1, tl.int32)
     while going == 1:
         y = _target_token(logits_ptr + b.to(tl.int64) * sl_b + node.to(tl.int64) * sl_t, V,
                           temperature, top_k, top_p, min_p, seed_lo, seed_hi, position + depth, BLOCK_V)
-        tl.store(nodes_ptr + b * T + depth, node)
-        tl.store(out_ptr + b * T + depth, y.to(tl.int64))
+        acc_nodes = tl.where(tj == depth, node, acc_nodes)
+        acc_out = tl.where(tj == depth, y.to(tl.int64), acc_out)
         child = tl.min(tl.where((pars == node) & (toks == y.to(tl.int64)), tj, BLOCK_T), 0)
-        if child < T:
+        if (child < T) & (child < R):
             node = child
             depth += 1
         else:
             going = 0
+    tl.store(nodes_ptr + b * T + tj, acc_nodes, mask=tj < T)
+    tl.store(out_ptr + b * T + tj, acc_out, mask=tj < T)
     tl.store(num_ptr + b, depth)
+
+
+@triton.jit
+def verify_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+                  seeds_ptr, pos_ptr, nodes_ptr, out_ptr, num_ptr, T, V,
+                  sl_b, sl_t, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The GPU runtime's: float64 parameters, logits of every node (a strided view)."""
+    _verify_program(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seeds_ptr,
+                    pos_ptr, nodes_ptr, out_ptr, num_ptr, T, T, V, sl_b, sl_t, BLOCK_T, BLOCK_V)
+
+
+@triton.jit
+def verify_plugin_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seeds_ptr,
+                         pos_ptr, T, R, V, nodes_ptr, out_ptr, num_ptr,
+                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The TensorRT plugin's: inputs, scalars, outputs; float32 parameters, logits [B, R, V]."""
+    _verify_program(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seeds_ptr,
+                    pos_ptr, nodes_ptr, out_ptr, num_ptr, T, R, V, R * V, V, BLOCK_T, BLOCK_V)
 
 
 def _next_pow2(n: int) -> int:
@@ -252,6 +327,40 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
     return nodes, out, num
 
 
+def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, scale: float):
+    """Launch the plugin's tree attention as TensorRT does (contiguous torch tensors; the
+    contract of specdec::tree_attention, build/engine_graph.py) -> o [B, T, Hq, D]."""
+    import torch
+
+    b, t, hq, d = q.shape
+    _, hkv, l_, _ = k_cache.shape
+    o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
+    c = lambda x: x.contiguous()
+    tree_attention_plugin_kernel[(b * t, hkv)](
+        c(q), c(k), c(v), c(k_cache), c(v_cache), c(slots), c(ctx_len), c(n_prior), c(paths), t, paths.shape[2], l_, o,
+        HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _next_pow2(hq // hkv)), BLOCK_P=PLUGIN_BLOCK_P, BLOCK_N=BLOCK_N, D=d,
+        SCALE=float(scale))
+    return o
+
+
+def verify_plugin(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, positions):
+    """Launch the plugin's verification as TensorRT does (specdec::rejection_sample: float32
+    parameters, logits [B, R, V]) -> (accepted_nodes, output_ids, num_accepted)."""
+    import torch
+
+    b, r, v = logits.shape
+    t = tokens.shape[1]
+    dev = logits.device
+    nodes = torch.empty((b, t), dtype=torch.int32, device=dev)
+    out = torch.empty((b, t), dtype=torch.int64, device=dev)
+    num = torch.empty(b, dtype=torch.int32, device=dev)
+    c = lambda x: x.contiguous()
+    verify_plugin_kernel[(b,)](c(logits), c(tokens), c(parents), c(temperature), c(top_k), c(top_p), c(min_p),
+                               c(seeds), c(positions), t, r, v, nodes, out, num,
+                               BLOCK_T=PLUGIN_MAX_NODES, BLOCK_V=min(BLOCK_V, _next_pow2(v)))
+    return nodes, out, num
+
+
 _STRIDES = ("sq_b", "sq_t", "sq_h", "sk_s", "sk_h", "sk_l", "so_b", "so_t", "so_h", "sp_b", "sp_t")
 
 
@@ -286,3 +395,35 @@ def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32))
     return compiled.asm["ptx"], compiled.metadata.name
+
+
+def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, num_kv_heads: int = 8,
+                      scale: float = 1.0) -> dict:
+    """Plugin name -> (jit function, signature, constexprs) of the TensorRT plugins' kernels."""
+    attn = {**{n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr")}, "kc_ptr": f"*{kv_dtype}", "vc_ptr": f"*{kv_dtype}",
+            **{n: "*i32" for n in ("slots_ptr", "ctx_ptr", "nprior_ptr", "paths_ptr")},
+            "T": "i32", "P": "i32", "L": "i32", "o_ptr": "*fp32", **{n: "constexpr" for n in
+                                                                  ("HKV", "G", "BLOCK_G", "BLOCK_P", "BLOCK_N", "D", "SCALE")}}
+    ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp32",
+           "topk_ptr": "*i32", "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seeds_ptr": "*i64", "pos_ptr": "*i64",
+           "T": "i32", "R": "i32", "V": "i32", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32",
+           "BLOCK_T": "constexpr", "BLOCK_V": "constexpr"}
+    return {
+        "tree_attention": (tree_attention_plugin_kernel, attn,
+                           {"HKV": num_kv_heads, "G": group, "BLOCK_G": max(16, _next_pow2(group)),
+                            "BLOCK_P": PLUGIN_BLOCK_P, "BLOCK_N": BLOCK_N, "D": head_dim, "SCALE": float(scale)}),
+        "rejection_sample": (verify_plugin_kernel, ver, {"BLOCK_T": PLUGIN_MAX_NODES, "BLOCK_V": BLOCK_V}),
+    }
+
+
+def compile_plugin(name: str, arch: int = 90, num_warps: int = 4, **variant) -> tuple[str, str, int]:
+    """A TensorRT plugin's kernel compiled for sm_<arch> -> (PTX, kernel symbol, shared memory
+    bytes): what its `aot_impl` returns (plugins/trt_plugins.py). Not in an interpreted process."""
+    assert not interpreted(), "compile_plugin needs a process without TRITON_INTERPRET=1"
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, consts = plugin_signatures(**variant)[name]
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
+    return compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)

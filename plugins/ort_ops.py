@@ -8,35 +8,26 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-from plugins.reference import tree_attention_ref, verify_ref
+from plugins.reference import tree_attention_ref, verify_ref, write_nodes
 
 _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
 
 
-def write_nodes(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots, ctx_len,
-                n_prior) -> tuple[np.ndarray, np.ndarray]:
-    """Copies of the caches with the new nodes' KV [B, T, Hkv, D] at columns ctx + n_prior + j."""
-    kc, vc = k_cache.copy(), v_cache.copy()
-    t = k.shape[1]
-    for r, (s, c, n) in enumerate(zip(slots, ctx_len, n_prior)):
-        cols = int(c) + int(n) + np.arange(t)
-        keep = cols < kc.shape[2]                  # padding nodes past the end write nothing
-        kc[s][:, cols[keep]] = k[r, keep].transpose(1, 0, 2)
-        vc[s][:, cols[keep]] = v[r, keep].transpose(1, 0, 2)
-    return kc, vc
-
-
 @onnx_op(op_type="specdec::tree_attention", inputs=[_F, _F, _F, _F, _F, _I32, _I32, _I32, _I32],
          outputs=[_F], attrs={"scale": PyCustomOpDef.dt_float, "num_heads": PyCustomOpDef.dt_int64,
-                              "num_kv_heads": PyCustomOpDef.dt_int64})
+                              "num_kv_heads": PyCustomOpDef.dt_int64, "head_dim": PyCustomOpDef.dt_int64,
+                              "plugin_namespace": PyCustomOpDef.dt_string,
+                              "plugin_version": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
 def tree_attention(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, **attrs):
     kc, vc = write_nodes(k_cache, v_cache, k, v, slots, ctx_len, n_prior)
     return tree_attention_ref(q, kc, vc, slots, ctx_len, paths, float(attrs.get("scale", 1.0)))
 
 
 @onnx_op(op_type="specdec::rejection_sample", inputs=[_F, _I64, _I32, _F, _I32, _F, _F, _I64, _I64],
-         outputs=[_I32, _I64, _I32])
-def rejection_sample(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, positions):
+         outputs=[_I32, _I64, _I32], attrs={"plugin_namespace": PyCustomOpDef.dt_string,
+                                            "plugin_version": PyCustomOpDef.dt_string,
+                                            "aot": PyCustomOpDef.dt_int64})
+def rejection_sample(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, positions, **attrs):
     nodes, out, num = verify_ref(logits, tokens, parents, temperature.astype(np.float64), top_k,
                                  top_p.astype(np.float64), min_p.astype(np.float64),
                                  np.asarray(seeds, np.int64).view(np.uint64), positions)

@@ -104,3 +104,16 @@ def paths_of(parents: np.ndarray) -> np.ndarray:
                 out[r, j, :depth] = out[r, p, :depth]
                 out[r, j, depth] = j
     return out
+
+
+def write_nodes(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots, ctx_len,
+                n_prior) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of the caches with the new nodes' KV [B, T, Hkv, D] at columns ctx + n_prior + j."""
+    kc, vc = k_cache.copy(), v_cache.copy()
+    t = k.shape[1]
+    for r, (s, c, n) in enumerate(zip(slots, ctx_len, n_prior)):
+        cols = int(c) + int(n) + np.arange(t)
+        keep = cols < kc.shape[2]                  # padding nodes past the end write nothing
+        kc[s][:, cols[keep]] = k[r, keep].transpose(1, 0, 2)
+        vc[s][:, cols[keep]] = v[r, keep].transpose(1, 0, 2)
+    return kc, vc

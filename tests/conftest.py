@@ -150,3 +150,38 @@ def run_batch(dec, seqs) -> list[list[int]]:
     for s in seqs:
         dec.finish(s)
     return got
+
+
+LOSSLESS_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9, 21, 40], [7, 8, 9, 10, 11, 7, 8, 9], [100, 3, 250, 17]]
+
+
+def generate(dec, prompt, kind, params) -> list[int]:
+    from backend.sequence import Request
+
+    return [t for o in dec.generate(Request(tuple(prompt), params, kind)) for t in o.new_ids]
+
+
+def assert_greedy_identity(dec, kind) -> None:
+    """Greedy speculation with drafter `kind` is token-identical to plain decoding (a runtime's
+    losslessness test, tiny-model prompts)."""
+    from backend.config import DrafterKind, SamplingParams
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [generate(dec, p, DrafterKind.NONE, params) for p in LOSSLESS_PROMPTS]
+    spec = [generate(dec, p, DrafterKind(kind), params) for p in LOSSLESS_PROMPTS]
+    assert spec == plain
+    assert dec.stats.num_draft_tokens > 0
+
+
+def assert_seeded_sampling_matches_plain(dec) -> None:
+    """A seeded sampled request drafted by a draft model or an EAGLE head, in a batch with
+    another, gives the tokens of plain seeded sampling."""
+    from backend.config import DrafterKind, SamplingParams
+    from backend.sequence import Request
+
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=5, ignore_eos=True)
+    ref = generate(dec, LOSSLESS_PROMPTS[0], DrafterKind.NONE, params)
+    for kind in (DrafterKind.DRAFT_MODEL, DrafterKind.EAGLE):
+        seqs = [dec.start(Request(tuple(LOSSLESS_PROMPTS[0]), params, kind)),
+                dec.start(Request(tuple(LOSSLESS_PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=30), kind))]
+        assert run_batch(dec, seqs)[0] == ref

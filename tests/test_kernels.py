@@ -5,6 +5,10 @@ sit; and every kernel compiled to PTX for sm_90 (an explicit target needs no GPU
 on the real compiler path fails CI."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -113,15 +117,13 @@ def test_verify_matches_backend_verify_for_the_same_noise(v, tie):
     assert ref[2].max() >= 2                     # some rows accepted a path
 
 
-def _compiles(name, **variant):
-    """In a process of its own: this one may run the kernels in the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys; from plugins.kernels import compile_ptx; "
-            f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r}); "
-            "sys.exit(0 if '.target sm_90' in ptx and ('.entry ' + sym) in ptx else 3)")
+def _compiles(name, plugin=False, **variant):
+    """In a process of its own: this one may run the kernels in the interpreter. A plugin's
+    kernel must also fit the 48 KB of shared memory a kernel gets without opting in."""
+    code = ("import sys; from plugins.kernels import compile_ptx, compile_plugin\n"
+            + (f"ptx, sym, shared = compile_plugin({name!r}, 90, **{variant!r})\n" if plugin else
+               f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r}); shared = 0\n")
+            + "sys.exit(0 if '.target sm_90' in ptx and ('.entry ' + sym) in ptx and shared <= 48 * 1024 else 3)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,3 +138,49 @@ def test_tree_attention_compiles_to_ptx_for_sm90(variant):
 
 def test_verify_compiles_to_ptx_for_sm90():
     assert _compiles("verify")
+
+
+def test_the_plugin_kernels_match_the_references_and_the_runtime_kernels():
+    """The TensorRT plugins' kernels (TensorRT's argument order, this forward's nodes read from
+    k / v rather than the cache, float32 parameters, logits of R <= T rows): attention equals
+    the reference after the nodes are written, bitwise equal to the runtime's kernel on the
+    written cache; verification equals the reference, and stops at the last row with logits."""
+    from plugins.reference import write_nodes
+
+    rng = np.random.default_rng(4)
+    b, n, hq, hkv, d, s, cols = 3, 5, 4, 2, 16, 4, 80
+    q = rng.standard_normal((b, n, hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, n, hkv, d)).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((s, hkv, cols, d)).astype(np.float32) for _ in range(2))
+    slots, ctx, nprior = np.array([2, 0, 1], np.int32), np.array([10, 0, 37], np.int32), np.array([0, 3, 2], np.int32)
+    paths = np.full((b, n, 9), -1, np.int32)
+    for r in range(b):                       # a chain over the earlier scratch nodes, then this forward's
+        prior = list(range(nprior[r]))
+        for j in range(n):
+            paths[r, j, : len(prior) + j + 1] = prior + [nprior[r] + x for x in range(j + 1)]
+    paths[2, 4] = -1                         # a padding node
+    kw, vw = write_nodes(kc, vc, k, v, slots, ctx, nprior)
+    ref = tree_attention_ref(q, kw, vw, slots, ctx, paths, 0.25)
+    o = K.tree_attention_plugin(t(q), t(k), t(v), t(kc), t(vc), t(slots), t(ctx), t(nprior), t(paths), 0.25)
+    assert np.abs(o.cpu().numpy() - ref).max() < 1e-5
+    assert np.array_equal(o.cpu().numpy(), attention(q, kw, vw, slots, ctx, paths, 0.25))
+
+    vocab = 3000
+    logits = (3 * rng.standard_normal((b, n, vocab))).astype(np.float32)
+    toks = rng.integers(0, vocab, (b, n))
+    toks[:, 1] = logits[:, 0].argmax(-1)
+    parents = np.array([[-1, 0, 1, 2, 3], [-1, 0, 0, 1, -2], [-1, 0, 1, -2, -2]], np.int32)
+    temp, top_k = np.array([0, 0.7, 1.3], np.float32), np.array([0, 50, 0], np.int32)
+    top_p, min_p = np.array([1, 0.9, 0.8], np.float32), np.array([0, 0, 0.05], np.float32)
+    seeds, pos = np.array([1, 2, 3], np.int64), np.array([5, 9, 100], np.int64)
+    want = verify_ref(logits, toks, parents, temp.astype(np.float64), top_k, top_p.astype(np.float64),
+                      min_p.astype(np.float64), seeds.view(np.uint64), pos)
+    got = K.verify_plugin(*(t(a) for a in (logits, toks, parents, temp, top_k, top_p, min_p, seeds, pos)))
+    assert all(np.array_equal(w, g.cpu().numpy()) for w, g in zip(want, got))
+    got = K.verify_plugin(*(t(a) for a in (logits[:, :1], toks, parents, temp, top_k, top_p, min_p, seeds, pos)))
+    assert got[2].cpu().numpy().tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["tree_attention", "rejection_sample"])
+def test_the_plugin_kernels_compile_to_ptx_for_sm90_under_48k_shared(name):
+    assert _compiles(name, plugin=True)

@@ -12,7 +12,8 @@ from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
 from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig
 from backend.manifest import Device, EngineManifest, WeightFormat
 from backend.sequence import Request
-from conftest import chain, make_tiny_checkpoint, random_head, run_batch
+from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
+                      chain, make_tiny_checkpoint, random_head)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,33 +60,13 @@ def decoder(m, **spec):
                                     runtime=RuntimeOptions(max_sequences=6)))
 
 
-def generate(dec, prompt, kind, params):
-    return [t for o in dec.generate(Request(tuple(prompt), params, kind)) for t in o.new_ids]
-
-
-PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9, 21, 40], [7, 8, 9, 10, 11, 7, 8, 9], [100, 3, 250, 17]]
-
-
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])
 def test_greedy_speculation_is_identical_to_plain(tiny, kind):
-    m, _, _ = tiny
-    dec = decoder(m, num_draft_tokens=4)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    plain = [generate(dec, p, DrafterKind.NONE, params) for p in PROMPTS]
-    spec = [generate(dec, p, DrafterKind(kind), params) for p in PROMPTS]
-    assert spec == plain
-    assert dec.stats.num_draft_tokens > 0
+    assert_greedy_identity(decoder(tiny[0], num_draft_tokens=4), kind)
 
 
 def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):
-    m, _, _ = tiny
-    dec = decoder(m, num_draft_tokens=3)
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=5, ignore_eos=True)
-    ref = generate(dec, PROMPTS[0], DrafterKind.NONE, params)
-    for kind in (DrafterKind.DRAFT_MODEL, DrafterKind.EAGLE):
-        seqs = [dec.start(Request(tuple(PROMPTS[0]), params, kind)),
-                dec.start(Request(tuple(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=30), kind))]
-        assert run_batch(dec, seqs)[0] == ref
+    assert_seeded_sampling_matches_plain(decoder(tiny[0], num_draft_tokens=3))
 
 
 def test_requests_beyond_the_kv_slots_wait_for_room(tiny):

@@ -14,7 +14,8 @@ Extra outputs:
                                                       into their slot columns; ONNX Runtime's
                                                       reference op cannot write an input)
     accepted_nodes [B, T] int32, output_ids [B, T] int64, num_accepted [B] int32
-The tree input is the paths (at most T x T), never a mask over the cache. Op contracts:
+The tree input is the paths (at most T x T), never a mask over the cache. The plugin verifies
+trees of up to kernels.PLUGIN_MAX_NODES (64) nodes; the runtime verifies wider ones on the host. Op contracts:
 plugins/reference.py (`tree_attention` after writing the new nodes at columns
 ctx_len + n_prior + j of their slot; `verify` with float32 parameters and R = T).
 Knows: the plugin nodes' wiring. Does not know: weights (graph.py).
@@ -26,6 +27,10 @@ from onnx import TensorProto, helper
 from backend.manifest import ModelConfig
 
 DOMAIN = "specdec"
+# What TensorRT's ONNX parser reads to find a Python plugin: the node's op type is the plugin's
+# name, `plugin_namespace` its namespace; `aot` asks for the ahead-of-time implementation
+# (plugins/trt_plugins.py). The node's domain is what ONNX Runtime reads (plugins/ort_ops.py).
+PLUGIN_ATTRS = {"plugin_namespace": DOMAIN, "plugin_version": "1", "aot": 1}
 
 
 class PluginAttention:
@@ -49,7 +54,7 @@ class PluginAttention:
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", "T", nkv, d]))
         o = g.op("tree_attention", [q, k, v, kc, vc, "slots", "ctx_len", "n_prior", "paths"],
                  domain=DOMAIN, hint=f"l{i}.attention", scale=1.0, num_heads=cfg.num_heads,
-                 num_kv_heads=nkv)
+                 num_kv_heads=nkv, head_dim=d, **PLUGIN_ATTRS)
         return g.op("Reshape", [o, g.i64(0, 0, cfg.num_heads * d)])
 
     def verify_tail(self, inputs: list, outputs: list) -> None:
@@ -61,7 +66,7 @@ class PluginAttention:
         inputs += [helper.make_tensor_value_info(n, t, s) for n, t, s in extra]
         names = ["accepted_nodes", "output_ids", "num_accepted"]
         self.g.op("rejection_sample", ["logits", "input_ids"] + [n for n, _, _ in extra], domain=DOMAIN,
-                  outputs=names)
+                  outputs=names, **PLUGIN_ATTRS)
         outputs += [helper.make_tensor_value_info("accepted_nodes", i32, ["B", "T"]),
                     helper.make_tensor_value_info("output_ids", i64, ["B", "T"]),
                     helper.make_tensor_value_info("num_accepted", i32, ["B"])]

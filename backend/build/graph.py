@@ -24,6 +24,7 @@ block encodings (quant.py).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
 from backend.manifest import ModelConfig, WeightFormat
 
 OPSET = 17
+ENGINE_OPSET = 19        # the engine graph: float8 QuantizeLinear / DequantizeLinear need 19
 MASK_VALUE = -1e30
 ACCURACY_LEVEL = 4   # int8 activations: the only fast MatMulNBits path on AVX2 (cpu-engine.md §4)
 
@@ -47,10 +49,12 @@ class GraphSpec:
     eagle: bool = False      # EAGLE draft head: extra input `features` fused with the embedding
     plugins: bool = False    # the engine graph: attention and verification as specdec:: nodes
                              # (engine_graph.py), for TensorRT; else standard ops (ONNX Runtime)
+    verify: bool = True      # with plugins: the rejection_sample tail (the target's engine)
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, opset: int = OPSET):
+        self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._consts: dict[tuple, str] = {}
@@ -61,7 +65,7 @@ class _Builder:
         return f"{hint}_{self._count}"
 
     def init(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))  # keeps 0-d
         return name
 
     def i64(self, *values: int) -> str:
@@ -75,6 +79,11 @@ class _Builder:
         if key not in self._consts:
             self._consts[key] = self.init(f"const_f32_{len(self._consts)}", np.array(value, np.float32))
         return self._consts[key]
+
+    def reduce_mean(self, x: str, axis: int) -> str:
+        if self.opset >= 18:                                  # axes became an input at 18
+            return self.op("ReduceMean", [x, self.i64(axis)], keepdims=1)
+        return self.op("ReduceMean", [x], axes=[axis], keepdims=1)
 
     def op(self, op_type: str, inputs: list[str], hint: str | None = None, n_out: int = 1,
            domain: str | None = None, outputs: list[str] | None = None, **attrs):
@@ -116,16 +125,47 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rs: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-class _Linear:
-    """Emits y = x @ W.T (+ b) for one weight format; shares per-block sums of a common input."""
+FP8_LINEARS = ("qkv", "o", "gate_up", "down")    # a layer's linears; the rest stays float32
 
-    def __init__(self, g: _Builder, fmt: WeightFormat):
-        self.g, self.fmt = g, fmt
+
+class _Linear:
+    """Emits y = x @ W.T (+ b) for one weight format; shares per-block sums of a common input.
+    FP8 (the engine graph): a layer's linear weights as float8 E4M3 with one scale per output
+    channel, and its input quantized per tensor with the calibrated scale
+    ("layers.<i>.<qkv|o|gate_up|down>.act_scale", build/torch_engine.calibrate), as explicit
+    QuantizeLinear / DequantizeLinear pairs TensorRT fuses into FP8 GEMMs; without a scale for
+    the input (an EAGLE head's layer) the weights alone are FP8."""
+
+    def __init__(self, g: _Builder, fmt: WeightFormat, act_scales: dict | None = None):
+        self.g, self.fmt, self.act_scales = g, fmt, act_scales or {}
         self._block_sums: dict[tuple[str, int], str] = {}
+
+    def _fp8(self, x: str, name: str, w: np.ndarray, act_key: str) -> str:
+        import torch
+
+        from backend.runtime.torch_model import fp8_quantize
+
+        g = self.g
+        q, scale = fp8_quantize(torch.from_numpy(np.array(w, np.float32)))      # [N, K], [N]
+        bits = q.T.contiguous().view(torch.uint8).numpy()                         # [K, N]
+        g.inits.append(helper.make_tensor(f"{name}.wT_fp8", TensorProto.FLOAT8E4M3FN, list(bits.shape),
+                                          bits.tobytes(), raw=True))
+        wT = g.op("DequantizeLinear", [f"{name}.wT_fp8", g.init(f"{name}.w_scale", scale.numpy())], axis=1)
+        act = self.act_scales.get(act_key)
+        if act is not None:
+            if "fp8_zero" not in self.g._consts:
+                g.inits.append(helper.make_tensor("fp8_zero", TensorProto.FLOAT8E4M3FN, [], b"\x00", raw=True))
+                g._consts["fp8_zero"] = "fp8_zero"
+            s = g.init(f"{name}.act_scale", np.array(act, np.float32).reshape(()))      # per tensor
+            x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, "fp8_zero"]), s, "fp8_zero"])
+        return g.op("MatMul", [x, wT], hint=name)
 
     def __call__(self, x: str, name: str, w, bias: np.ndarray | None = None) -> str:
         g = self.g
-        if isinstance(w, list):
+        layer = re.fullmatch(r"l(\d+)\.(" + "|".join(FP8_LINEARS) + ")", name)
+        if self.fmt is WeightFormat.FP8 and layer and isinstance(w, np.ndarray):
+            y = self._fp8(x, name, w, f"layers.{layer[1]}.{layer[2]}.act_scale")
+        elif isinstance(w, list):
             y = g.op("Concat", [self(x, f"{name}.{j}", part) for j, part in enumerate(w)], axis=-1)
         elif isinstance(w, np.ndarray):
             y = g.op("MatMul", [x, g.init(f"{name}.wT", np.ascontiguousarray(w.T.astype(np.float32)))],
@@ -151,8 +191,9 @@ class _Linear:
 
 
 def _weight(t: SourceTensor, fmt: WeightFormat, scale: float = 1.0, bits_for_float: int = 4):
-    """A linear weight [out, in] as float32 (fp32 engine) or Blocks (4-bit engine)."""
-    if fmt is WeightFormat.FP32:
+    """A linear weight [out, in] as float32 (fp32 engine; FP8: quantized by _Linear) or Blocks
+    (4-bit engine)."""
+    if fmt in (WeightFormat.FP32, WeightFormat.FP8):
         w = t.float32()
         return w * np.float32(scale) if scale != 1.0 else w
     if t.qtype in BLOCK_TYPES:
@@ -172,10 +213,12 @@ def _cat(parts):
     return list(parts)
 
 
-def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.ModelProto:
+def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None) -> onnx.ModelProto:
+    """act_scales: FP8 activation scales (build/torch_engine.calibrate), for WeightFormat.FP8."""
     cfg = ckpt.config
-    g = _Builder()
-    lin = _Linear(g, spec.weights)
+    assert spec.weights is not WeightFormat.FP8 or spec.plugins, "FP8 is a format of the engine graph"
+    g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
+    lin = _Linear(g, spec.weights, act_scales)
     nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     grp = cfg.num_groups
     qscale = 1.0 / float(np.sqrt(d))   # folded into Wq (and bq)
@@ -212,7 +255,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
 
     def rmsnorm(v: str, weight: SourceTensor) -> str:
         # The exact pattern ORT fuses into SimplifiedLayerNormalization.
-        var = g.op("ReduceMean", [g.op("Pow", [v, g.f32(2.0)])], axes=[-1], keepdims=1)
+        var = g.reduce_mean(g.op("Pow", [v, g.f32(2.0)]), -1)
         std = g.op("Sqrt", [g.op("Add", [var, g.f32(cfg.rms_norm_eps)])])
         return g.op("Mul", [g.op("Div", [v, std]), g.init(g.name(weight.name), weight.float32())])
 
@@ -271,22 +314,22 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None) -> onnx.Mode
     g.op("Identity", [hidden], outputs=["hidden"])
     rows = g.op("GatherND", [hidden, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
     head = ckpt.tensors.get("lm_head", embed)
-    if spec.weights is WeightFormat.FP32:
+    if spec.weights in (WeightFormat.FP32, WeightFormat.FP8):
         head_w = head.float32()
     elif head.qtype in BLOCK_TYPES:
         head_w = quant.decode_blocks(head.qtype, head.rows())
     else:
         head_w = quant.quantize_rtn(head.float32(), bits=8, block_size=32)
     g.op("Identity", [lin(rows, "lm_head", head_w)], outputs=["logits"])
-    if spec.plugins:
+    if spec.plugins and spec.verify:
         attention.verify_tail(inputs, outputs)
 
     graph = helper.make_graph(g.nodes, "specdec_decoder", inputs, outputs, g.inits)
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", g.opset), helper.make_opsetid("com.microsoft", 1)]
     if spec.plugins:
         opsets.append(helper.make_opsetid("specdec", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
-    model.ir_version = 8
+    model.ir_version = 9 if spec.plugins else 8
     return model
 
 

@@ -103,6 +103,25 @@ def build(cfg: BuildConfig) -> EngineManifest:
         for spec in cfg.drafts:
             name, entry = torch_engine.build_draft(spec, ck, engines[default_format.value], max_seq, engine_dir, log)
             drafts[name] = entry
+    elif cfg.device is Device.TENSORRT:
+        from backend.build import trt_engine
+
+        gpu, missing = trt_engine.environment()
+        engines, timings, act = trt_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
+        for spec in cfg.drafts:
+            name, entry = trt_engine.build_draft(spec, ck, engines[default_format.value], act, max_seq,
+                                                 engine_dir, tok_path, log)
+            drafts[name] = entry
+        onnx_files = [engine_dir / e.path for e in engines.values()] + [engine_dir / d.path for d in drafts.values()]
+        if missing:
+            log(f"engine-ready ONNX written, no TensorRT engine built: {missing}")
+        else:
+            from backend.runtime.engine_rt import SCRATCH_COLUMNS
+
+            log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']}), TensorRT {gpu['tensorrt']}")
+            for f in onnx_files:
+                trt_engine.build_plan(f, max_seq, cfg.max_batch_size, cfg.max_batch_size + 1,
+                                      max_seq + SCRATCH_COLUMNS, log)
     else:
         for fmt in cfg.weights:
             t0 = time.time()
@@ -119,7 +138,12 @@ def build(cfg: BuildConfig) -> EngineManifest:
         chat_template=ck.tokenizer.chat_template, source=str(source),
         tool_versions=_tool_versions(), drafts=drafts, gpu=gpu, root=engine_dir.resolve())
     manifest.save(engine_dir)
-    if cfg.check_invariance:
+    from backend.runtime import reference_executor
+
+    runnable = cfg.device is not Device.TENSORRT or gpu is not None or reference_executor()
+    if not runnable:
+        log("batch invariance and the cost model are measured where the TensorRT engines are built")
+    if cfg.check_invariance and runnable:
         from backend.build.check import measure_invariance
 
         checked = {}
@@ -129,7 +153,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
             log(f"batch invariance {key}: max |logit diff| verify vs single steps = {diff:.3g}")
         manifest = manifest.with_updates(engines=checked)
         manifest.save(engine_dir)
-    if cfg.measure_costs:
+    if cfg.measure_costs and runnable:
         from backend.build.costs import measure_cost_model
 
         t0 = time.time()

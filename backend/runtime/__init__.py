@@ -7,14 +7,49 @@ from backend.config import RuntimeOptions
 from backend.manifest import Device, EngineManifest, ModelConfig, WeightFormat
 from backend.runtime.base import ForwardOutput, Runtime
 
-__all__ = ["ForwardOutput", "Runtime", "RuntimeOptions", "load_runtime", "check_device", "TARGET"]
+__all__ = ["ForwardOutput", "Runtime", "RuntimeOptions", "load_runtime", "check_device", "check_tensorrt",
+           "reference_executor", "TARGET"]
 
 TARGET = "target"
 
 
 def _rebuild(manifest: EngineManifest) -> str:
-    return (f"python build_engines.py --device cuda --weights {','.join(manifest.engines)} "
+    return (f"python build_engines.py --device {manifest.device.value} --weights {','.join(manifest.engines)} "
             f"--target {manifest.source} --output <model repository>")
+
+
+def reference_executor() -> bool:
+    """SPECDEC_EXECUTOR=onnxruntime: a tensorrt repository's engine graph runs on ONNX Runtime's
+    CPU provider with the plugins' numpy references (runtime/engine_rt.py OrtExecutor): the proof
+    of the graph and the runtime on a CPU (tests, `specdec quality`), not a way to serve fast."""
+    import os
+
+    return os.environ.get("SPECDEC_EXECUTOR", "auto") == "onnxruntime"
+
+
+def check_tensorrt(manifest: EngineManifest) -> None:
+    """A tensorrt repository loads only where its engines were built: the same GPU model and
+    TensorRT version; anything else is refused with the command that rebuilds here."""
+    built = manifest.gpu
+    if built is None:
+        raise RuntimeError(f"{manifest.root} holds the engine-ready ONNX only (built without TensorRT or a "
+                           f"GPU): build the engines on the serving GPU with `{_rebuild(manifest)}`")
+    try:
+        import tensorrt as trt
+        import torch
+    except ImportError as exc:
+        raise RuntimeError(f"the engines in {manifest.root} need TensorRT {built['tensorrt']} and torch "
+                           f"({exc}); install them with pip install -e '.[tensorrt]'") from None
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if here is None:
+        raise RuntimeError(f"the engines in {manifest.root} were built for {built['name']}; this machine "
+                           f"has no CUDA device")
+    major, minor = torch.cuda.get_device_capability(0)
+    if (here, f"{major}.{minor}", trt.__version__) != (built["name"], built["compute_capability"], built["tensorrt"]):
+        raise RuntimeError(f"the engines in {manifest.root} were built for {built['name']} (sm "
+                           f"{built['compute_capability']}) with TensorRT {built['tensorrt']}; this machine "
+                           f"has {here} (sm {major}.{minor}) with TensorRT {trt.__version__}: rebuild with "
+                           f"`{_rebuild(manifest)}`")
 
 
 def check_device(manifest: EngineManifest) -> str:
@@ -46,7 +81,8 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     """A runtime over one engine of `manifest`: the target in weight format `fmt` (default: the
     manifest's), or a draft engine by its manifest name (`--draft PATH` -> "model",
     `--draft self:N` -> "selfN", `--draft eagle:DIR` -> "eagle"). The manifest's device picks
-    the runtime: ONNX Runtime (cpu) or torch with the Triton kernels (cuda)."""
+    the runtime: ONNX Runtime (cpu), torch with the Triton kernels (cuda), or the TensorRT
+    engines of the engine graph (tensorrt)."""
     options = options or RuntimeOptions()
     if engine == TARGET:
         ef = manifest.engine(fmt)
@@ -60,6 +96,18 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         else:
             cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
         path, layers, pad = manifest.resolve(d.path), d.num_layers, bool(d.extra.get("pad_single_token", False))
+    if manifest.device is Device.TENSORRT:
+        from backend.runtime.engine_rt import EngineRuntime, OrtExecutor
+
+        if reference_executor():
+            ex = OrtExecutor(path, cfg, layers, options.threads or 1)
+        else:
+            from backend.build.trt_engine import plan_path
+            from backend.runtime.trt_exec import TrtExecutor
+
+            check_tensorrt(manifest)
+            ex = TrtExecutor(plan_path(path), cfg, layers)
+        return EngineRuntime(ex, cfg, layers, manifest.max_seq_len, options)
     if manifest.device is Device.CUDA:
         from backend.runtime.torch_rt import TorchRuntime
 

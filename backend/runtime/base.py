@@ -58,6 +58,14 @@ def verify_on_host(out: ForwardOutput, drafts, params, noises, positions) -> lis
             for b, (d, p, nz, pos) in enumerate(zip(drafts, params, noises, positions))]
 
 
+def verdicts_from_arrays(drafts, nodes: np.ndarray, ids: np.ndarray, num: np.ndarray) -> list[TreeVerdict]:
+    """A device verification's outputs (accepted_nodes [B, T], output_ids [B, T], num_accepted
+    [B], -1 padded: plugins/reference.py `verify`) as the rows' TreeVerdicts."""
+    return [TreeVerdict(nodes[r, : num[r] + 1].astype(np.int32), ids[r, : num[r] + 1].astype(np.int64),
+                        int(num[r]), not d.tree.children[int(nodes[r, num[r]])])
+            for r, d in enumerate(drafts)]
+
+
 class Runtime(Protocol):
     config: ModelConfig
     num_layers: int

@@ -24,7 +24,7 @@ from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SlotTable
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput, verify_on_host
+from backend.runtime.base import ForwardOutput, verdicts_from_arrays, verify_on_host
 from backend.runtime.torch_model import TorchModel, load_tensors
 
 SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
@@ -156,7 +156,6 @@ class TorchRuntime:
         elsewhere backend/verify.py on the host (the kernel's reference)."""
         if self.device.type != "cuda":
             return verify_on_host(out, drafts, params, noises, positions)
-        from backend.verify import TreeVerdict
         from plugins import kernels
 
         b = len(drafts)
@@ -171,10 +170,7 @@ class TorchRuntime:
             col([p.temperature for p in params], np.float64), col([p.top_k for p in params], np.int32),
             col([p.top_p for p in params], np.float64), col([p.min_p for p in params], np.float64),
             self._dev(np.array([n.seed for n in noises], np.uint64).view(np.int64)), col(positions, np.int64))
-        nodes, ids, num = nodes.cpu().numpy(), ids.cpu().numpy(), num.cpu().numpy()
-        return [TreeVerdict(nodes[r, : num[r] + 1].astype(np.int32), ids[r, : num[r] + 1].astype(np.int64),
-                            int(num[r]), not d.tree.children[int(nodes[r, num[r]])])
-                for r, d in enumerate(drafts)]
+        return verdicts_from_arrays(drafts, nodes.cpu().numpy(), ids.cpu().numpy(), num.cpu().numpy())
 
     def close(self) -> None:
         self.slots.clear()

@@ -1,0 +1,167 @@
+"""The build for `--device tensorrt`: the engine graph (graph.py with GraphSpec.plugins: attention
+and verification as specdec:: plugin nodes, FP8 as explicit float8 Q/DQ) written as ONNX for
+the target and every draft, and where TensorRT and a GPU are present, the strongly typed
+TensorRT engines (`<stem>.plan` beside each `.onnx`) built from it through the ONNX parser with
+the plugins of plugins/trt_plugins.py. Where they are absent it writes the engine-ready ONNX and
+the manifest, builds nothing, and says in one line what is missing.
+
+FP8 is the GPU runtime's recipe (build/torch_engine.py): weights per output channel, each
+linear input per tensor, calibrated on the stdlib-docstring prompts; a draft model gets its own
+calibration, a self-draft reads the target's scales, an EAGLE head's layer has FP8 weights and
+float32 inputs (its inputs are the target's features: calibrating them needs the target's
+hidden states, not done).
+Knows: which files to write, TensorRT's builder and optimization profiles. Does not know:
+graph wiring (graph.py, engine_graph.py), serving.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from backend.build.checkpoint import Checkpoint
+from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.manifest import DraftEntry, EngineFile, WeightFormat
+
+OPT_BATCH, OPT_NODES = 8, 4          # the profile's optimum: a decode step of a small batch
+
+
+def environment() -> tuple[dict | None, str | None]:
+    """(the GPU and TensorRT this build runs on, None), or (None, what is missing in one line)."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return None, "TensorRT is not installed (pip install -e '.[tensorrt]' on the GPU machine)"
+    if not hasattr(trt, "Builder"):
+        return None, f"TensorRT {trt.__version__} here is a runtime without the builder (tensorrt-lean)"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed (pip install -e '.[tensorrt]')"
+    if not torch.cuda.is_available():
+        return None, f"no CUDA GPU on this machine (TensorRT {trt.__version__} is installed)"
+    from backend.build.torch_engine import gpu_info
+
+    return {**gpu_info(), "tensorrt": trt.__version__}, None
+
+
+def plan_path(onnx_path: Path) -> Path:
+    return Path(onnx_path).with_suffix(".plan")
+
+
+def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: dict | None) -> EngineFile:
+    path = Path(engine_dir) / f"{stem}.onnx"
+    size = save_model(build_decoder(ck, spec, act_scales=act), path)
+    return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size)
+
+
+def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log) -> dict:
+    from backend.build.torch_engine import calibrate, calibration_prompts
+    from backend.tokenizer import Tokenizer
+
+    t0 = time.time()
+    tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids, ck.config.bos_token_id,
+                    ck.tokenizer.add_bos_token)
+    prompts = calibration_prompts(tok)
+    act = calibrate(ck, prompts, max_seq_len)
+    log(f"FP8 activation scales of {ck.source} calibrated on {len(prompts)} prompts in {time.time() - t0:.1f}s")
+    return act
+
+
+def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log):
+    """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 scales)."""
+    act = _calibrate(ck, max_seq_len, tokenizer_json, log) if WeightFormat.FP8 in formats else None
+    engines, timings = {}, {}
+    for fmt in formats:
+        t0 = time.time()
+        spec = GraphSpec(fmt, ck.config.num_layers, max_seq_len, plugins=True)
+        engines[fmt.value] = _write(ck, spec, engine_dir, f"target_{fmt.value}", act)
+        timings[fmt.value] = time.time() - t0
+    return engines, timings, act
+
+
+def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None, max_seq_len: int,
+                engine_dir: Path, tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
+    """--draft as an engine graph without the verification tail, in the target's format."""
+    import json
+
+    import numpy as np
+
+    from backend.build.checkpoint import CheckpointError, load_checkpoint
+
+    fmt = target.weights
+    if spec.startswith("self:"):
+        n = int(spec.split(":", 1)[1])
+        if not 0 < n < ck.config.num_layers:
+            raise ValueError(f"--draft self:N needs 0 < N < {ck.config.num_layers}, got {n}")
+        ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
+                    f"draft_self{n}_{fmt.value}", act)
+        log(f"self-draft: first {n} layers + head, {fmt.value}")
+        return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
+    if spec.startswith("eagle:"):
+        from backend.drafters.eagle_export import head_checkpoint
+
+        head_dir = Path(spec.split(":", 1)[1]).resolve()
+        hck, vocab = head_checkpoint(head_dir, ck)
+        ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
+                    f"draft_eagle_{fmt.value}", None)
+        np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
+        meta = {k: v for k, v in json.loads((head_dir / "config.json").read_text()).items() if k != "training"}
+        log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
+        return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir),
+                                   {**meta, "vocab_path": "draft_eagle_vocab.npy", "weights": fmt.value})
+    dck = load_checkpoint(spec)
+    if dck.config.vocab_size != ck.config.vocab_size:
+        raise CheckpointError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
+                              f"target's {ck.config.vocab_size}; the draft must share the vocabulary")
+    dact = _calibrate(dck, max_seq_len, tokenizer_json, log) if fmt is WeightFormat.FP8 else None
+    stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
+    ef = _write(dck, GraphSpec(fmt, dck.config.num_layers, max_seq_len, plugins=True, verify=False), engine_dir,
+                stem, dact)
+    log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
+                               {"weights": fmt.value, "model": dck.config.to_json()})
+
+
+def profile_shapes(onnx_path: Path, max_seq_len: int, max_batch: int, slots: int, columns: int) -> dict:
+    """Input name -> (min, opt, max) shapes of the optimization profile, from the graph's named
+    dimensions: B rows, T nodes, R logits rows, P path depth (up to T), S KV slots (the
+    runtime's sequences + 1 spare, at most `slots`), L columns (max_seq_len + scratch)."""
+    import onnx
+
+    dims = {"B": (1, OPT_BATCH, max_batch), "T": (1, OPT_NODES, max_seq_len),
+            "R": (1, OPT_NODES, max_seq_len), "P": (1, OPT_NODES, max_seq_len),
+            "S": (1, min(17, slots), slots), "L": (columns, columns, columns)}
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    out = {}
+    for i in model.graph.input:
+        shape = [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+        out[i.name] = tuple(tuple(dims[s][k] if isinstance(s, str) else s for s in shape) for k in range(3))
+    return out
+
+
+def build_plan(onnx_path: Path, max_seq_len: int, max_batch: int, slots: int, columns: int, log) -> Path:
+    """A strongly typed TensorRT engine from the engine graph (ONNX parser, our plugins)."""
+    import tensorrt as trt
+
+    import plugins.trt_plugins  # noqa: F401  (registers the specdec:: plugins)
+
+    t0 = time.time()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in profile_shapes(onnx_path, max_seq_len, max_batch, slots, columns).items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    blob = builder.build_serialized_network(network, config)
+    if blob is None:
+        raise RuntimeError(f"TensorRT could not build {onnx_path} (see its log above)")
+    path = plan_path(onnx_path)
+    path.write_bytes(bytes(blob))
+    log(f"TensorRT engine {path.name}: {path.stat().st_size / 1e6:.1f} MB in {time.time() - t0:.1f}s")
+    return path
