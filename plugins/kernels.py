@@ -426,4 +426,23 @@ def compile_plugin(name: str, arch: int = 90, num_warps: int = 4, **variant) -> 
     fn, sig, consts = plugin_signatures(**variant)[name]
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": 1})
-    return compiled.asm["ptx"], compiled.metadata.name, int(compiled.metadata.shared)
+    md = compiled.metadata
+    assert not getattr(md, "global_scratch_size", 0) and not getattr(md, "profile_scratch_size", 0), \
+        f"{name}: the kernel needs Triton scratch memory, which a TensorRT plugin launch does not provide"
+    nargs = sum(1 for t in sig.values() if t != "constexpr")
+    return entry_params(compiled.asm["ptx"], md.name, nargs), md.name, int(md.shared)
+
+
+def entry_params(ptx: str, symbol: str, nargs: int) -> str:
+    """The PTX with the kernel's parameter list cut to its first `nargs` (the declared ones):
+    Triton >= 3.3 appends hidden scratch pointers (global, profile) that its own launcher fills,
+    but TensorRT passes exactly inputs + scalars + outputs. Only unreferenced ones are cut."""
+    head = f".entry {symbol}("
+    start = ptx.index(head) + len(head)
+    end = ptx.index(")", start)
+    params = [p.strip().rstrip(",") for p in ptx[start:end].split(",\n") if p.strip()]
+    for i in range(nargs, len(params)):
+        uses = ptx.count(f"{symbol}_param_{i}")
+        assert uses == 1, f"hidden parameter {i} of {symbol} is used by the kernel ({uses} references)"
+    kept = ",\n".join("\t" + p for p in params[:nargs])
+    return ptx[:start] + "\n" + kept + "\n" + ptx[end:]

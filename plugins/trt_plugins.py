@@ -1,13 +1,18 @@
 """TensorRT plugins `specdec::tree_attention` and `specdec::rejection_sample` (the engine
 graph's nodes, build/engine_graph.py), defined with TensorRT's Python plugin API
-(`tensorrt.plugin`, TensorRT >= 10.8): shapes and types, and an ahead-of-time implementation
+(`tensorrt.plugin`; the ONNX parser takes AOT Python plugins from TensorRT 10.9): shapes and
+types, and an ahead-of-time implementation
 whose PTX is the Triton kernels of plugins/kernels.py compiled for the build's GPU, so a built
 engine runs without Python. Importing this module registers both (once per process).
 
 TensorRT passes an AOT kernel its input pointers, then the `extra_args` scalars, then its output
 pointers: the `*_plugin_kernel`s of kernels.py take exactly that order and derive strides from
-the (contiguous) shapes. The ONNX parser finds a plugin by the node's op type and its
-`plugin_namespace` attribute ("specdec"); `aot` = 1 asks for this implementation.
+the (contiguous) shapes; kernels.compile_plugin cuts the scratch pointers Triton >= 3.3 appends
+to a kernel's parameters (unused here), so the PTX takes exactly those. Attributes are not
+stored in an AOT engine: scale and the head counts are compiled into the PTX as constants. The
+ONNX parser finds a plugin by the node's op type and its `plugin_namespace` attribute
+("specdec"), passes only the declared attributes (as int32 / float32), and `aot` = 1 asks for
+this implementation; this module must be imported before parsing (build/trt_engine.py does).
 Knows: TensorRT's plugin API, the kernels' signatures. Does not know: graphs, runtimes.
 """
 # No `from __future__ import annotations`: TensorRT reads these functions' annotations as classes.

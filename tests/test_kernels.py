@@ -119,11 +119,16 @@ def test_verify_matches_backend_verify_for_the_same_noise(v, tie):
 
 def _compiles(name, plugin=False, **variant):
     """In a process of its own: this one may run the kernels in the interpreter. A plugin's
-    kernel must also fit the 48 KB of shared memory a kernel gets without opting in."""
+    kernel must also fit the 48 KB of shared memory a kernel gets without opting in, and take
+    exactly the parameters TensorRT passes (inputs, scalars, outputs: 9 + 3 + 1 and 9 + 3 + 3;
+    no hidden Triton scratch pointers)."""
     code = ("import sys; from plugins.kernels import compile_ptx, compile_plugin\n"
             + (f"ptx, sym, shared = compile_plugin({name!r}, 90, **{variant!r})\n" if plugin else
                f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r}); shared = 0\n")
-            + "sys.exit(0 if '.target sm_90' in ptx and ('.entry ' + sym) in ptx and shared <= 48 * 1024 else 3)")
+            + "entry = ptx[ptx.index('.entry ' + sym):]\n"
+            + "nparams = entry[:entry.index(')')].count('.param')\n"
+            + f"want = {dict(tree_attention=13, rejection_sample=15).get(name, 0) if plugin else 0}\n"
+            + "sys.exit(0 if '.target sm_90' in ptx and shared <= 48 * 1024 and (not want or nparams == want) else 3)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

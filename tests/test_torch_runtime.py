@@ -138,6 +138,7 @@ def test_check_kernels_lists_the_kernels_and_the_engine_graph_ok(tmp_path):
     assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify", "engine_graph"]
     assert all(k["ok"] and k["cases"] > 0 for k in report["kernels"]) and report["kernels"][0]["bitwise_invariant"]
     assert report["kernels"][2]["max_abs_err"] <= 1e-4 and report["kernels"][2]["rejection_sample_equal"]
+    assert report["kernels"][0]["plugin_kernel_equal"] and report["kernels"][1]["plugin_mismatched_rows"] == 0
 
 
 @pytest.mark.slow

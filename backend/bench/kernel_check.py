@@ -3,7 +3,9 @@
 GPU. Writes {"device": str, "kernels": [{"name", "cases", "max_abs_err", "ok"}, ...]}; for
 tree_attention also whether one verify of a tree gives every node the bits of single steps along
 its path (`bitwise_invariant`), and for verify the number of rows whose accepted path or final
-token differs (`mismatched_rows`, max_abs_err is then the largest token-id difference); and the TensorRT engine
+token differs (`mismatched_rows`, max_abs_err is then the largest token-id difference); the TensorRT
+plugins' kernel variants on the same cases (`plugin_kernel_equal`: bitwise the runtime kernel's
+result; `plugin_mismatched_rows`: against the reference with float32 parameters); and the TensorRT engine
 graph against the standard CPU graph (`engine_graph`: largest logit difference, and whether its
 rejection_sample equals backend/verify.py).
 """
@@ -47,11 +49,18 @@ def check_attention(dev: str, rng) -> dict:
     from plugins.reference import tree_attention_ref
 
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-    err, n, invariant = 0.0, 0, True
+    err, n, invariant, plugin_equal = 0.0, 0, True, True
     for q, kc, vc, slots, ctx, paths, scale in _attention_cases(rng):
         got = kernels.tree_attention(t(q), t(kc), t(vc), t(slots), t(ctx), t(paths), scale).cpu().numpy()
         err = max(err, float(np.abs(got - tree_attention_ref(q, kc, vc, slots, ctx, paths, scale)).max()))
         n += 1
+        # the TensorRT plugin's kernel: this forward's nodes from k / v, not the cache
+        cols = ctx[:, None] + np.arange(q.shape[1])
+        k_new = kc[slots[:, None], :, cols]                          # [B, T, Hkv, D]
+        v_new = vc[slots[:, None], :, cols]
+        plug = kernels.tree_attention_plugin(t(q), t(k_new), t(v_new), t(kc), t(vc), t(slots), t(ctx),
+                                             t(np.zeros_like(ctx)), t(paths), scale).cpu().numpy()
+        plugin_equal &= bool(np.array_equal(plug, got))
         for j in range(q.shape[1]):                      # node j alone, its path committed
             path = paths[0, j][paths[0, j] >= 0]
             if path.size == 0:
@@ -63,8 +72,8 @@ def check_attention(dev: str, rng) -> dict:
                                          t(np.array([c + path.size - 1], np.int32)),
                                          t(np.zeros((1, 1, 1), np.int32)), scale).cpu().numpy()
             invariant &= bool(np.array_equal(one[0, 0], got[0, j]))
-    return {"name": "tree_attention", "cases": n, "max_abs_err": err, "ok": err <= 1e-3 and invariant,
-            "bitwise_invariant": invariant}
+    return {"name": "tree_attention", "cases": n, "max_abs_err": err, "ok": err <= 1e-3 and invariant and plugin_equal,
+            "bitwise_invariant": invariant, "plugin_kernel_equal": plugin_equal}
 
 
 def check_verify(dev: str, rng) -> dict:
@@ -78,7 +87,7 @@ def check_verify(dev: str, rng) -> dict:
               (1.3, 0, 1.0, 0.1), (0.8, 25, 0.9, 0.02)]
     parents = np.array([[-1, 0, 1, 2, 3, -2], [-1, 0, 0, 1, 2, 4], [-1, -2, -2, -2, -2, -2],
                         [-1, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 2, 3, 4]], np.int32)
-    err, bad, n = 0, 0, 0
+    err, bad, n, plugin_bad = 0, 0, 0, 0
     for v in (1000, 4099, 49152):
         b, tt = parents.shape
         logits = (rng.standard_normal((b, tt, v)) * 3).astype(np.float32)
@@ -98,7 +107,15 @@ def check_verify(dev: str, rng) -> dict:
             err = max(err, int(np.abs(g.astype(np.int64) - r.astype(np.int64)).max()))
         bad += int(np.sum(np.any(got[1].cpu().numpy() != ref[1], axis=1)))
         n += 1
-    return {"name": "verify", "cases": n, "max_abs_err": float(err), "ok": err == 0, "mismatched_rows": bad}
+        f32 = [a.astype(np.float32) for a in (temp, topp, minp)]          # the plugin's parameters
+        ref32 = verify_ref(logits, tokens, parents, f32[0].astype(np.float64), topk, f32[1].astype(np.float64),
+                           f32[2].astype(np.float64), seeds, pos)
+        plug = kernels.verify_plugin(t(logits), t(tokens), t(parents), t(f32[0]), t(topk.astype(np.int32)),
+                                     t(f32[1]), t(f32[2]), t(seeds.view(np.int64)), t(pos))
+        plugin_bad += sum(int(np.sum(np.any(g.cpu().numpy() != r, axis=-1))) if r.ndim > 1 else
+                          int(np.sum(g.cpu().numpy() != r)) for g, r in zip(plug, ref32))
+    return {"name": "verify", "cases": n, "max_abs_err": float(err), "ok": err == 0 and plugin_bad == 0,
+            "mismatched_rows": bad, "plugin_mismatched_rows": plugin_bad}
 
 
 def check_engine_graph() -> dict:

@@ -253,7 +253,9 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         bias = g.op("Unsqueeze", [g.op("Concat", ["attn_bias"] * grp, axis=1) if grp > 1 else "attn_bias",
                                   g.i64(1)])
 
-    def rmsnorm(v: str, weight: SourceTensor) -> str:
+    def rmsnorm(v: str, weight: SourceTensor | None) -> str:
+        if weight is None:               # an EAGLE-1/2 head: no input norm, no final norm
+            return v
         # The exact pattern ORT fuses into SimplifiedLayerNormalization.
         var = g.reduce_mean(g.op("Pow", [v, g.f32(2.0)]), -1)
         std = g.op("Sqrt", [g.op("Add", [var, g.f32(cfg.rms_norm_eps)])])
@@ -270,7 +272,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
             for nm in (pres_k, pres_v):
                 outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
 
-        hn = rmsnorm(x, t("attn_norm"))
+        hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
         wqkv = _cat([_weight(t("q"), spec.weights, qscale), _weight(t("k"), spec.weights),
                      _weight(t("v"), spec.weights)])
         bqkv = None
@@ -310,7 +312,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         if progress is not None:
             progress(1)
 
-    hidden = rmsnorm(x, ckpt.tensor("norm"))
+    hidden = rmsnorm(x, ckpt.tensor("norm") if "norm" in ckpt.tensors or not spec.eagle else None)
     g.op("Identity", [hidden], outputs=["hidden"])
     rows = g.op("GatherND", [hidden, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
     head = ckpt.tensors.get("lm_head", embed)

@@ -240,9 +240,10 @@ def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool,
 
         head_dir = Path(spec.split(":", 1)[1]).resolve()
         path = export_eagle_head(head_dir, target, engine_dir, max_seq)
-        meta = json.loads((head_dir / "config.json").read_text())
+        from backend.drafters.head_formats import head_meta
+
+        meta = head_meta(head_dir)
         log(f"EAGLE head from {head_dir} -> {path.name} (draft vocabulary {meta['draft_vocab_size']})")
-        meta = {k: v for k, v in meta.items() if k != "training"}
         return "eagle", DraftEntry("eagle", path.name, 1, str(head_dir),
                                    {**meta, "vocab_path": "draft_eagle_vocab.npy"})
     dck = ckpt_mod.load_checkpoint(spec)

@@ -124,8 +124,6 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int,
     """--draft for the torch runtime -> (manifest name, DraftEntry). self:N reads the first N
     layers of the target's own file; a head or a draft model is written in bf16 (fp32 beside an
     fp32 target)."""
-    import json
-
     from backend.build.checkpoint import CheckpointError, load_checkpoint
     from backend.manifest import DraftEntry
 
@@ -138,12 +136,13 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int,
         return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import head_checkpoint
+        from backend.drafters.head_formats import head_meta
 
         head_dir = Path(spec.split(":", 1)[1]).resolve()
         hck, vocab = head_checkpoint(head_dir, ck)
         ef = export(hck, fmt, 1, engine_dir, "draft_eagle")
         np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
-        meta = {k: v for k, v in json.loads((head_dir / "config.json").read_text()).items() if k != "training"}
+        meta = head_meta(head_dir)
         log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
         return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir), {**meta, "vocab_path": "draft_eagle_vocab.npy"})
     dck = load_checkpoint(spec)

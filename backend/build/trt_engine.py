@@ -82,8 +82,6 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
 def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None, max_seq_len: int,
                 engine_dir: Path, tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
     """--draft as an engine graph without the verification tail, in the target's format."""
-    import json
-
     import numpy as np
 
     from backend.build.checkpoint import CheckpointError, load_checkpoint
@@ -99,13 +97,14 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None,
         return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import head_checkpoint
+        from backend.drafters.head_formats import head_meta
 
         head_dir = Path(spec.split(":", 1)[1]).resolve()
         hck, vocab = head_checkpoint(head_dir, ck)
         ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
                     f"draft_eagle_{fmt.value}", None)
         np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
-        meta = {k: v for k, v in json.loads((head_dir / "config.json").read_text()).items() if k != "training"}
+        meta = head_meta(head_dir)
         log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
         return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir),
                                    {**meta, "vocab_path": "draft_eagle_vocab.npy", "weights": fmt.value})

@@ -16,10 +16,16 @@ EAGLE_ONNX = "draft_eagle.onnx"
 
 
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
-    """The head as a 1-layer Checkpoint (vocab = draft vocabulary) and its vocab map [Vd]."""
-    from backend.train.eagle_train import load_head
+    """The head (any layout drafters/head_formats.py reads) as a 1-layer Checkpoint (vocab =
+    draft vocabulary) and its vocab map [Vd]."""
+    from backend.drafters.head_formats import read_head
 
-    cfg, w = load_head(head_dir)
+    cfg, w = read_head(head_dir)
+    shape = (cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["intermediate_size"])
+    own = (target.config.num_heads, target.config.num_kv_heads, target.config.head_dim, target.config.intermediate_size)
+    if shape != own:
+        raise ValueError(f"EAGLE head {head_dir}: heads / KV heads / head dim / MLP width {shape} differ from "
+                         f"the target's {own}")
     if cfg["target_vocab_size"] != target.config.vocab_size or cfg["hidden_size"] != target.config.hidden_size:
         raise ValueError(f"EAGLE head {head_dir} was trained for a target with vocab "
                          f"{cfg['target_vocab_size']} / hidden {cfg['hidden_size']}, not this one "

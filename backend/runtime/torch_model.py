@@ -113,7 +113,8 @@ class _Layer:
                 b = torch.cat([t[f"layers.{i}.{n}"] for n in bias])
             return Linear(w, b, dtype, scale, act, hw_fp8)
 
-        self.attn_norm = t[f"layers.{i}.attn_norm"].to(dtype)
+        norm = t.get(f"layers.{i}.attn_norm")              # absent in an EAGLE-1/2 head's layer
+        self.attn_norm = None if norm is None else norm.to(dtype)
         self.mlp_norm = t[f"layers.{i}.mlp_norm"].to(dtype)
         self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if cfg.attention_bias else None)
         self.o = lin(["o"], "o")
@@ -137,7 +138,7 @@ class TorchModel:
         self.hw_fp8 = hw
         self.layers = [_Layer(t, i, cfg, self.dtype, hw) for i in range(num_layers)]
         self.embed = t["embed"].to(self.dtype)
-        self.norm = t["norm"].to(self.dtype)
+        self.norm = t["norm"].to(self.dtype) if "norm" in t else None     # absent: an EAGLE-1/2 head
         self.lm_head = t.get("lm_head", t["embed"]).to(self.dtype)
         self.fc = Linear(t["fc"], t["fc_bias"], self.dtype) if "fc" in t else None
         cos, sin = rope_tables(cfg, max_positions)
@@ -145,7 +146,9 @@ class TorchModel:
         self.sin = torch.from_numpy(sin).to(device=device, dtype=torch.float32)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        if w is None:
+            return x
         xf = x.float()
         xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return xf.to(self.dtype) * w
