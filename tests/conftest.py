@@ -185,3 +185,32 @@ def assert_seeded_sampling_matches_plain(dec) -> None:
         seqs = [dec.start(Request(tuple(LOSSLESS_PROMPTS[0]), params, kind)),
                 dec.start(Request(tuple(LOSSLESS_PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=30), kind))]
         assert run_batch(dec, seqs)[0] == ref
+
+
+def assert_serves_like_offline(manifest, repo: Path, log_dir: Path, env: dict | None = None) -> None:
+    """A built repository on the real tritonserver: one stream through `specdec` and one through
+    the ensemble equal offline decoding of the same repository (24 greedy tokens)."""
+    from backend.config import SamplingParams, ServeConfig
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+    from backend.serve import client as spclient
+    from backend.serve.launcher import TritonServer
+
+    dec = make_decoder(ServeConfig(engine_dir=str(manifest.root)))
+    prompt = "the quick brown fox"
+    ids = dec.tok.encode(dec.tok.apply_chat_template([{"role": "user", "content": prompt}]))
+    expected = "".join(o.text for o in dec.generate(Request(tuple(ids), SamplingParams(max_tokens=24))))
+
+    class Args:
+        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, False, []
+        top_k = top_p = min_p = num_draft_tokens = drafter = seed = None
+
+    srv = TritonServer(repo, log_file=log_dir / "server.log", log_verbose=0, env=env)
+    srv.start()
+    try:
+        for model in ("specdec", "ensemble"):
+            chunks = []
+            spclient.stream_grpc(srv.grpc_url, model, spclient.request_fields(prompt, Args()), chunks.append)
+            assert "".join(chunks) == expected, model
+    finally:
+        assert srv.stop() == 0

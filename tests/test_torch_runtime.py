@@ -8,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.build.pipeline import BuildConfig, build
 from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig
 from backend.manifest import Device, EngineManifest, WeightFormat
 from backend.sequence import Request
-from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
-                      chain, make_tiny_checkpoint, random_head)
+from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity,  # noqa: E402
+                      assert_seeded_sampling_matches_plain, assert_serves_like_offline, chain,
+                      make_tiny_checkpoint, random_head)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,26 +147,5 @@ def test_the_torch_repository_serves_on_tritonserver(tiny, tmp_path):
     """The same Triton models run the torch runtime: one stream through `specdec` and one
     through the ensemble equal offline decoding of the built repository."""
     pytest.importorskip("tritonclient.grpc")
-    from backend.engine import make_decoder
-    from backend.serve import client as spclient
-    from backend.serve.launcher import TritonServer
-
     m, _, repo = tiny
-    dec = make_decoder(ServeConfig(engine_dir=str(m.root)))
-    prompt = "the quick brown fox"
-    ids = dec.tok.encode(dec.tok.apply_chat_template([{"role": "user", "content": prompt}]))
-    expected = "".join(o.text for o in dec.generate(Request(tuple(ids), SamplingParams(max_tokens=24))))
-
-    class Args:
-        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, False, []
-        top_k = top_p = min_p = num_draft_tokens = drafter = seed = None
-
-    srv = TritonServer(repo, log_file=tmp_path / "server.log", log_verbose=0)
-    srv.start()
-    try:
-        for model in ("specdec", "ensemble"):
-            chunks = []
-            spclient.stream_grpc(srv.grpc_url, model, spclient.request_fields(prompt, Args()), chunks.append)
-            assert "".join(chunks) == expected, model
-    finally:
-        assert srv.stop() == 0
+    assert_serves_like_offline(m, repo, tmp_path)

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
-from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain, chain,  # noqa: E402
-                      make_tiny_checkpoint, random_head)  # noqa: E402
+from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
+                      assert_serves_like_offline, chain, make_tiny_checkpoint, random_head)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,28 +216,5 @@ def test_the_tensorrt_repository_serves_on_tritonserver(tiny, tmp_path):
     """The same Triton models run the engine runtime (here on the reference executor): a stream
     through `specdec` and one through the ensemble equal offline decoding of the repository."""
     pytest.importorskip("tritonclient.grpc")
-    from backend.config import SamplingParams
-    from backend.engine import make_decoder
-    from backend.sequence import Request
-    from backend.serve import client as spclient
-    from backend.serve.launcher import TritonServer
-
     m, _, repo = tiny
-    dec = make_decoder(ServeConfig(engine_dir=str(m.root)))
-    prompt = "the quick brown fox"
-    ids = dec.tok.encode(dec.tok.apply_chat_template([{"role": "user", "content": prompt}]))
-    expected = "".join(o.text for o in dec.generate(Request(tuple(ids), SamplingParams(max_tokens=24))))
-
-    class Args:
-        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, False, []
-        top_k = top_p = min_p = num_draft_tokens = drafter = seed = None
-
-    srv = TritonServer(repo, log_file=tmp_path / "server.log", log_verbose=0, env={"SPECDEC_EXECUTOR": "onnxruntime"})
-    srv.start()
-    try:
-        for model in ("specdec", "ensemble"):
-            chunks = []
-            spclient.stream_grpc(srv.grpc_url, model, spclient.request_fields(prompt, Args()), chunks.append)
-            assert "".join(chunks) == expected, model
-    finally:
-        assert srv.stop() == 0
+    assert_serves_like_offline(m, repo, tmp_path, env={"SPECDEC_EXECUTOR": "onnxruntime"})
