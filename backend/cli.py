@@ -91,7 +91,8 @@ def cmd_bench(args) -> int:
 
     kind, _, draft_name = args.drafter.partition(":")
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name or None,
-                      draft_width=args.draft_width, prompt_lookup_width=args.lookup_width)
+                      draft_width=args.draft_width, prompt_lookup_width=args.lookup_width,
+                      eagle_gate=not args.no_eagle_gate)
     dec = make_decoder(ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec))
     prompts = _prompts(args.prompts)
     if args.limit:
@@ -272,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")
     p.add_argument("--draft-width", type=int, default=1)
     p.add_argument("--lookup-width", type=int, default=1)
+    p.add_argument("--no-eagle-gate", action="store_true",
+                   help="EAGLE-2's fixed tree depth and size (no confidence gating)")
     p.add_argument("--format", default=None, help="weight format (default: the manifest's)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--limit", type=int, default=0)

@@ -82,6 +82,8 @@ class SpecConfig:
     draft_width: int = 1                    # siblings per depth for the draft model's tree
     eagle_depth: int = 5                    # EAGLE-2 tree: expansion steps
     eagle_topk: int = 4                     # EAGLE-2 tree: children per expanded node / frontier size
+    eagle_gate: bool = True                 # confidence gating (drafters/eagle.py `level_gate`): stop
+                                            # growing the tree where the head is unsure
 
     def resolve(self, kind: DrafterKind) -> DrafterKind:
         return self.auto_drafter if kind is DrafterKind.AUTO else kind

@@ -191,3 +191,43 @@ def test_a_remote_head_drafts_through_a_draft_node_losslessly(tiny):
     outs = list(dec.generate(Request(prompt, params, DrafterKind.EAGLE)))
     assert [t for o in outs for t in o.new_ids] == plain
     assert outs[-1].stats.num_draft_tokens > 0
+
+
+def test_confidence_gating_stops_growing_where_the_head_is_unsure(tiny):
+    """level_gate: another tree level only while the best frontier path is at least that
+    probable. A gate of 1 grows no level past the first (one head forward for the catch-up, none
+    for expansions), a gate of 0 grows depth - 1 levels; both drafts are valid and greedy
+    speculation stays identical. The gate from a cost model is head forward / plain step."""
+    from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
+    from backend.drafters.eagle import level_gate
+    from backend.engine import make_decoder
+    from backend.sequence import Request
+
+    m, _ = tiny
+    assert level_gate(None) == 0.0
+    assert level_gate({"tokens": [1, 4], "seconds": [0.02, 0.03], "draft_step_s": {"eagle": 0.004}}) == pytest.approx(0.2)
+    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=SpecConfig(num_draft_tokens=6, eagle_depth=4)))
+    eagle = dec.drafters[DrafterKind.EAGLE]
+    calls, per_propose = [], []
+    forward, propose = eagle.rt.forward, eagle.propose
+    eagle.rt.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+
+    def counted(seqs, budgets):
+        calls.clear()
+        out = propose(seqs, budgets)
+        if any(b > 0 for b in budgets):
+            per_propose.append(len(calls) - 1)                  # minus the catch-up forward
+        return out
+
+    eagle.propose = counted
+    prompt = tuple(np.random.default_rng(2).integers(3, m.model.vocab_size, 20).tolist())
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = [t for o in dec.generate(Request(prompt, params, DrafterKind.NONE)) for t in o.new_ids]
+    per_step = {}
+    for gate in (1.0, 0.0):
+        eagle.level_gate = gate
+        per_propose.clear()
+        spec = [t for o in dec.generate(Request(prompt, params, DrafterKind.EAGLE)) for t in o.new_ids]
+        assert spec == plain and per_propose
+        per_step[gate] = set(per_propose)
+    assert per_step[1.0] == {0} and max(per_step[0.0]) == 3          # fewer near the end: small budgets

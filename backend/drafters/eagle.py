@@ -35,13 +35,30 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, -1)
 
 
+def level_gate(cost_model: dict | None) -> float:
+    """The confidence gate from the measured costs: one more tree level costs a head forward and
+    adds at most one accepted token (worth a plain step) with the probability of the best
+    frontier path, so it pays above p = head forward / plain step. 0 without a cost model.
+    (A per-candidate gate, verifying only candidates with p above the verify curve's marginal
+    cost per token, was measured and dropped: perf-notes §10.)"""
+    if not cost_model or "eagle" not in cost_model.get("draft_step_s", {}):
+        return 0.0
+    step = float(np.interp(1, list(cost_model["tokens"]), list(cost_model["seconds"])))
+    return min(0.5, cost_model["draft_step_s"]["eagle"] / step)
+
+
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12):
+    def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12,
+                 level_gate: float = 0.0):
+        """level_gate: grow another level only while some row's most probable frontier path
+        (the head's probability) is at least this (confidence gating, `level_gate`; 0 =
+        EAGLE-2's fixed depth)."""
         self.rt = runtime
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        self.level_gate = level_gate
         self.traits = self.make_traits(depth, max_nodes)
         self._pending: dict[int, list[np.ndarray]] = {}      # chunks of [n, H] target features not yet fed
         self._fed: dict[int, int] = {}
@@ -59,7 +76,8 @@ class EagleDrafter:
 
         rt = load_runtime(manifest, engine="eagle", options=options)
         vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
-        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes)
+        gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
+        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate)
 
     def check_params(self, params: SamplingParams) -> None:
         return None                                  # point-mass drafts: lossless for all
@@ -109,6 +127,9 @@ class EagleDrafter:
         parent_feat = [np.repeat(feats[r][None], k, 0) for r in range(len(rows))]
         n_scratch = 0
         for _ in range(depth - 1):
+            best_path = max(max(cand[r]["score"][c] for c in frontier[r]) for r in range(len(rows)))
+            if np.exp(best_path) < self.level_gate:       # no row's next level would pay
+                break
             ids = np.array([[cand[r]["token"][c] for c in frontier[r]] for r in range(len(rows))])
             par = np.array([[cand[r]["scratch"][cand[r]["parent"][c]] if cand[r]["parent"][c] >= 0 else -1
                              for c in frontier[r]] for r in range(len(rows))], np.int32)
