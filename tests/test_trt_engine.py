@@ -218,3 +218,24 @@ def test_the_tensorrt_repository_serves_on_tritonserver(tiny, tmp_path):
     pytest.importorskip("tritonclient.grpc")
     m, _, repo = tiny
     assert_serves_like_offline(m, repo, tmp_path, env={"SPECDEC_EXECUTOR": "onnxruntime"})
+
+
+def test_fp8_drafts_get_the_same_treatment(tiny, tmp_path):
+    """In an FP8 build every draft engine has FP8 Q/DQ on its layer's linear inputs: the
+    self-draft with the target's scales, the EAGLE head calibrated on the target's features."""
+    m, ckpt, _ = tiny
+    head = m.drafts["eagle"].source
+    m8 = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", device=Device.TENSORRT, quiet=True,
+                           weights=(WeightFormat.FP8,), drafts=("self:1", f"eagle:{head}"),
+                           measure_costs=False, check_invariance=False))
+    scales = {}
+    for name in ("self1", "eagle"):
+        model = onnx.load(str(m8.resolve(m8.drafts[name].path)))
+        assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) == 4, name
+        scales[name] = {i.name: float(onnx.numpy_helper.to_array(i)) for i in model.graph.initializer
+                        if i.name.endswith(".act_scale")}
+    target = onnx.load(str(m8.resolve(m8.engine("fp8").path)))
+    target_scales = {i.name: float(onnx.numpy_helper.to_array(i)) for i in target.graph.initializer
+                     if i.name.startswith("l0.") and i.name.endswith(".act_scale")}
+    assert scales["self1"] == target_scales and all(v > 0 for v in scales["eagle"].values())
+    assert scales["eagle"] != target_scales

@@ -134,7 +134,7 @@ class _Linear:
     channel, and its input quantized per tensor with the calibrated scale
     ("layers.<i>.<qkv|o|gate_up|down>.act_scale", build/torch_engine.calibrate), as explicit
     QuantizeLinear / DequantizeLinear pairs TensorRT fuses into FP8 GEMMs; without a scale for
-    the input (an EAGLE head's layer) the weights alone are FP8."""
+    an input, the weights alone are FP8."""
 
     def __init__(self, g: _Builder, fmt: WeightFormat, act_scales: dict | None = None):
         self.g, self.fmt, self.act_scales = g, fmt, act_scales or {}

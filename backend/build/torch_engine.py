@@ -67,26 +67,43 @@ def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path,
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size)
 
 
-def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin: float = 1.0) -> dict:
-    """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
-    model on `prompts` (token id lists), run on the CPU."""
+def _fp32_runtime(ck: Checkpoint, max_seq_len: int, tmp: str):
     from backend.config import RuntimeOptions
-    from backend.runtime.torch_model import FP8_MAX
     from backend.runtime.torch_rt import TorchRuntime
 
     n = ck.config.num_layers
+    ef = export(ck, WeightFormat.FP32, n, Path(tmp), f"calibrate_{id(ck)}")
+    return TorchRuntime(Path(tmp) / ef.path, ck.config, n, max_seq_len, RuntimeOptions(max_sequences=1), "cpu")
+
+
+def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin: float = 1.0,
+              head: Checkpoint | None = None) -> dict:
+    """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
+    model on `prompts` (token id lists), run on the CPU. With `head` (an EAGLE head as a
+    1-layer checkpoint, drafters/eagle_export.head_checkpoint): the head's, run on the target's
+    features of the same prompts, as it drafts (x_{t+1} with the feature of x_t)."""
+    from backend.runtime.torch_model import FP8_MAX
+
     with tempfile.TemporaryDirectory() as tmp:
-        ef = export(ck, WeightFormat.FP32, n, Path(tmp), "calibrate")
-        rt = TorchRuntime(Path(tmp) / ef.path, ck.config, n, max_seq_len, RuntimeOptions(max_sequences=1), "cpu")
-    linears = rt.model.linears()
+        rt = _fp32_runtime(ck, max_seq_len, tmp)
+        probe = _fp32_runtime(head, max_seq_len, tmp) if head is not None else rt
+    linears = probe.model.linears()
     for lin in linears.values():
         lin.amax = []
     for i, ids in enumerate(prompts):
         ids = np.asarray(ids[: max_seq_len - 1], np.int64)
         rt.alloc(i)
-        rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
+        out = rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
+        if head is not None:
+            feats = out.hidden[0, :-1].copy()
+            probe.alloc(i)
+            probe.forward([i], ids[None, 1:], np.arange(-1, ids.size - 2, dtype=np.int32)[None],
+                          np.array([[ids.size - 2]]), {"features": feats[None]})
+            probe.free(i)
         rt.free(i)
     rt.close()
+    if head is not None:
+        probe.close()
     return {f"{name}.act_scale": margin * max(lin.amax) / FP8_MAX for name, lin in linears.items()}
 
 

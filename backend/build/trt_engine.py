@@ -7,9 +7,8 @@ the manifest, builds nothing, and says in one line what is missing.
 
 FP8 is the GPU runtime's recipe (build/torch_engine.py): weights per output channel, each
 linear input per tensor, calibrated on the stdlib-docstring prompts; a draft model gets its own
-calibration, a self-draft reads the target's scales, an EAGLE head's layer has FP8 weights and
-float32 inputs (its inputs are the target's features: calibrating them needs the target's
-hidden states, not done).
+calibration, a self-draft reads the target's scales, an EAGLE head is calibrated on the target's
+features of the same prompts (torch_engine.calibrate with `head`); its fc stays float32.
 Knows: which files to write, TensorRT's builder and optimization profiles. Does not know:
 graph wiring (graph.py, engine_graph.py), serving.
 """
@@ -54,7 +53,7 @@ def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: di
     return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size)
 
 
-def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log) -> dict:
+def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None) -> dict:
     from backend.build.torch_engine import calibrate, calibration_prompts
     from backend.tokenizer import Tokenizer
 
@@ -62,8 +61,9 @@ def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log) -> d
     tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids, ck.config.bos_token_id,
                     ck.tokenizer.add_bos_token)
     prompts = calibration_prompts(tok)
-    act = calibrate(ck, prompts, max_seq_len)
-    log(f"FP8 activation scales of {ck.source} calibrated on {len(prompts)} prompts in {time.time() - t0:.1f}s")
+    act = calibrate(ck, prompts, max_seq_len, head=head)
+    log(f"FP8 activation scales of {(head or ck).source} calibrated on {len(prompts)} prompts in "
+        f"{time.time() - t0:.1f}s")
     return act
 
 
@@ -101,8 +101,9 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None,
 
         head_dir = Path(spec.split(":", 1)[1]).resolve()
         hck, vocab = head_checkpoint(head_dir, ck)
+        hact = _calibrate(ck, max_seq_len, tokenizer_json, log, head=hck) if fmt is WeightFormat.FP8 else None
         ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
-                    f"draft_eagle_{fmt.value}", None)
+                    f"draft_eagle_{fmt.value}", hact)
         np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
         meta = head_meta(head_dir)
         log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
