@@ -154,6 +154,10 @@ def cmd_serve(args) -> int:
             return 2
         print(f"the embedded default in {repo} was built by an older specdec: rebuilding ...", flush=True)
         build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
+    problem = _cannot_run_here(repo / ENGINE_SUBDIR)
+    if problem:
+        print(problem, flush=True)
+        return 2
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()
@@ -173,6 +177,25 @@ def cmd_serve(args) -> int:
     rc = supervisor.stop()
     print(f"stopped (exit code {rc})", flush=True)
     return 0 if rc in (0, None) else 1
+
+
+def _cannot_run_here(engine_dir: Path) -> str | None:
+    """Why this machine cannot run the repository's engines (the message load_runtime would
+    raise inside the model, with the rebuild command), before tritonserver starts; None if it can."""
+    from backend.manifest import Device, EngineManifest
+    from backend.runtime import check_device, check_tensorrt, reference_executor
+
+    if not (engine_dir / "manifest.json").exists():
+        return None
+    m = EngineManifest.load(engine_dir)
+    try:
+        if m.device is Device.TENSORRT and not reference_executor():
+            check_tensorrt(m)
+        elif m.device is Device.CUDA:
+            check_device(m)
+    except (RuntimeError, ImportError) as exc:
+        return str(exc)
+    return None
 
 
 def cmd_build_draft_node(args) -> int:

@@ -109,13 +109,17 @@ def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):
     assert_seeded_sampling_matches_plain(decoder(tiny[0], num_draft_tokens=3))
 
 
-def test_a_repository_not_built_for_this_gpu_and_tensorrt_refuses_to_load(tiny, tmp_path, monkeypatch):
+def test_a_repository_not_built_for_this_gpu_and_tensorrt_refuses_to_load(tiny, tmp_path, monkeypatch, capsys):
     from backend.runtime import load_runtime
 
     m, _, _ = tiny
     monkeypatch.setenv("SPECDEC_EXECUTOR", "auto")
     with pytest.raises(RuntimeError, match="engine-ready ONNX only .*build_engines.py --device tensorrt"):
         load_runtime(m)
+    from backend.cli import main
+
+    assert main(["serve", "--model-repository", str(m.root.parents[1])]) == 2      # before tritonserver starts
+    assert "engine-ready ONNX only" in capsys.readouterr().out
     other = json.loads((m.root / "manifest.json").read_text())
     other["gpu"] = {"name": "NVIDIA H200", "compute_capability": "9.0", "tensorrt": "10.13.0"}
     (tmp_path / "manifest.json").write_text(json.dumps(other))
