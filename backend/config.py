@@ -27,6 +27,7 @@ class DrafterKind(str, enum.Enum):
     DRAFT_MODEL = "draft-model"      # separate draft model or self-draft (first N layers)
     EAGLE = "eagle"                  # trained feature-level draft head
     LOOKUP_EAGLE = "lookup+eagle"    # prompt lookup when it matches, else the EAGLE head
+    MEDUSA = "medusa"                # Medusa heads on the target's last hidden state (a chain)
     AUTO = "auto"                    # the server's default drafter
 
 

@@ -51,6 +51,10 @@ def make_drafters(manifest: EngineManifest, spec: SpecConfig, options: RuntimeOp
         from backend.drafters.eagle import EagleDrafter
 
         eagle = EagleDrafter.from_manifest(manifest, spec, options)
+    if "medusa" in manifest.drafts and want(DrafterKind.MEDUSA):
+        from backend.drafters.medusa import MedusaDrafter
+
+        drafters[DrafterKind.MEDUSA] = MedusaDrafter.from_manifest(manifest)
     if eagle is not None:
         from backend.drafters.hybrid import LookupEagleDrafter
 

@@ -108,6 +108,20 @@ def _time_eagle(manifest: EngineManifest, context: int, reps: int, steps: int = 
     return per_depth, max(0.0, (statistics.median(first) - step) / (context - 1))
 
 
+def _time_medusa(manifest: EngineManifest, reps: int) -> float:
+    """Seconds of one Medusa proposal of every head for one sequence (host numpy)."""
+    from backend.drafters.medusa import MedusaDrafter
+
+    drafter = MedusaDrafter.from_manifest(manifest)
+    h = np.random.default_rng(0).standard_normal((1, manifest.model.hidden_size)).astype(np.float32)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        drafter.heads(h, drafter.k).argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def _time_round_robin(shapes: list[_Shape], reps: int) -> list[float]:
     for _ in range(reps):
         for s in shapes:
@@ -139,6 +153,8 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
         catch_up["draft-model"] = max(0.0, (whole - one) / (context - 1))
     if "eagle" in manifest.drafts:
         draft_step["eagle"], catch_up["eagle"] = _time_eagle(manifest, context, reps)
+    if "medusa" in manifest.drafts:
+        draft_step["medusa"] = _time_medusa(manifest, reps)
     return {"tokens": list(GRID), "seconds": [round(s, 6) for s in seconds],
             "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step,
             "catch_up_s": {k: round(c, 8) for k, c in catch_up.items()}, "context": context}

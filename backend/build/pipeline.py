@@ -227,6 +227,13 @@ def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Pa
 
 
 def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log):
+    if spec.startswith("medusa:"):
+        from backend.drafters.medusa import ENGINE_FILE, export_medusa
+
+        head_dir = Path(spec.split(":", 1)[1]).resolve()
+        extra = export_medusa(head_dir, engine_dir, target.config.hidden_size, target.config.vocab_size)
+        log(f"Medusa heads from {head_dir}: {extra['num_heads']} heads -> {ENGINE_FILE}")
+        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(head_dir), extra)
     if spec.startswith("self:"):
         n = int(spec.split(":", 1)[1])
         if not 0 < n < target.config.num_layers:

@@ -86,6 +86,14 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None,
 
     from backend.build.checkpoint import CheckpointError, load_checkpoint
 
+    if spec.startswith("medusa:"):
+        from backend.drafters.medusa import ENGINE_FILE, export_medusa
+
+        head_dir = Path(spec.split(":", 1)[1]).resolve()
+        extra = export_medusa(head_dir, engine_dir, ck.config.hidden_size, ck.config.vocab_size)
+        log(f"Medusa heads from {head_dir}: {extra['num_heads']} heads -> {ENGINE_FILE}")
+        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(head_dir), extra)
+
     fmt = target.weights
     if spec.startswith("self:"):
         n = int(spec.split(":", 1)[1])

@@ -60,7 +60,7 @@ def layout(head_dir: Path) -> str:
                               f"layer features, which the target engines do not output yet; EAGLE-1/2 heads load")
     if any("medusa" in k for k in keys) or any(k.split(".")[0].isdigit() for k in keys):
         raise HeadFormatError(f"{head_dir} looks like Medusa heads (parallel heads on the last hidden state), "
-                              f"not an EAGLE layer; they are not supported")
+                              f"not an EAGLE layer: build them with --draft medusa:DIR")
     if "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys:
         return "eagle"
     raise HeadFormatError(f"{head_dir}: unrecognised head layout (keys: {sorted(keys)[:8]} ...)")
