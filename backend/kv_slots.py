@@ -26,6 +26,25 @@ class _Seq:
     paths: list[list[int]] = field(default_factory=list)  # scratch node -> its path (scratch ids)
 
 
+class SlotSequences:
+    """The Runtime protocol's sequence methods for a runtime whose KV bookkeeping is a
+    SlotTable in `self.slots` (the torch and engine runtimes)."""
+
+    slots: "SlotTable"
+
+    def alloc(self, seq_id: int) -> None:
+        self.slots.alloc(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        self.slots.free(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.slots.length(seq_id)
+
+    def room(self) -> int:
+        return self.slots.room()
+
+
 class SlotTable:
     def __init__(self, capacity: int, columns: int, max_seq_len: int):
         self.capacity, self.columns, self.max_seq_len = capacity, columns, max_seq_len

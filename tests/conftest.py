@@ -214,3 +214,30 @@ def assert_serves_like_offline(manifest, repo: Path, log_dir: Path, env: dict | 
             assert "".join(chunks) == expected, model
     finally:
         assert srv.stop() == 0
+
+
+def device_env(device: str) -> "pytest.MonkeyPatch":
+    """The environment a build and its runtimes for `device` need on this CPU (tensorrt: the
+    engine graph on the reference executor); undo() it when done."""
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    if device == "tensorrt":
+        pytest.importorskip("onnxruntime_extensions")
+        mp.setenv("SPECDEC_EXECUTOR", "onnxruntime")
+    return mp
+
+
+def tiny_with_head(d: Path, device, weights) -> tuple:
+    """A tiny target built for `device` in `weights` with a self-draft and a random EAGLE head
+    -> (manifest, checkpoint dir, repository)."""
+    from backend.build.pipeline import BuildConfig, build
+    from backend.manifest import WeightFormat
+
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=3)
+    first = build(BuildConfig(target=str(ckpt), output=d / "repo", device=device, quiet=True,
+                              weights=(WeightFormat.FP32,), measure_costs=False))
+    head = random_head(first, d / "head", vocab_size=96)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", device=device, quiet=True, weights=weights,
+                          drafts=("self:1", f"eagle:{head}")))
+    return m, ckpt, d / "repo"

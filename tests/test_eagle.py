@@ -4,7 +4,7 @@ the target distribution."""
 import numpy as np
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.build.pipeline import BuildConfig, build
 from conftest import chain, make_tiny_checkpoint, random_head
 
 torch = pytest.importorskip("torch")

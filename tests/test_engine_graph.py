@@ -3,7 +3,6 @@ verification a `specdec::rejection_sample` node) on ONNX Runtime's CPU provider 
 implemented by the numpy references: its logits equal the standard CPU graph's to 1e-4 over
 prefill chains, single steps, chain verifies, branching trees and padded batches, and its
 rejection_sample equals backend/verify.py on the standard graph's logits."""
-import numpy as np
 import onnx
 import pytest
 

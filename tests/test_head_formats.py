@@ -16,7 +16,7 @@ from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
 from backend.drafters.head_formats import HeadFormatError  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
-from conftest import assert_greedy_identity, chain, make_tiny_checkpoint  # noqa: E402
+from conftest import device_env, assert_greedy_identity, chain, make_tiny_checkpoint  # noqa: E402
 
 
 def eagle_state(cfg: dict, seed: int, bias: bool = True) -> dict:
@@ -61,10 +61,7 @@ def built(request, tmp_path_factory):
     """A tiny target and a published-layout head, built for each runtime (cuda: the torch
     runtime on this CPU; tensorrt: the engine graph on the reference executor)."""
     fmt, device = request.param
-    mp = pytest.MonkeyPatch()
-    if device == "tensorrt":
-        pytest.importorskip("onnxruntime_extensions")
-        mp.setenv("SPECDEC_EXECUTOR", "onnxruntime")
+    mp = device_env(device)
     d = tmp_path_factory.mktemp(f"eagle_{fmt}_{device}")
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=7)
     target_config = json.loads((ckpt / "config.json").read_text())

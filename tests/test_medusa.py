@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
-from conftest import assert_greedy_identity, chain, generate, make_tiny_checkpoint  # noqa: E402
+from conftest import device_env, assert_greedy_identity, chain, generate, make_tiny_checkpoint  # noqa: E402
 
 HEADS, LAYERS = 3, 1
 
@@ -44,10 +44,7 @@ def built(request, tmp_path_factory):
     """Medusa heads on a tiny target, built for each runtime (cuda: the torch runtime on this CPU;
     tensorrt: the engine graph on the reference executor)."""
     fmt, device = request.param
-    mp = pytest.MonkeyPatch()
-    if device == "tensorrt":
-        pytest.importorskip("onnxruntime_extensions")
-        mp.setenv("SPECDEC_EXECUTOR", "onnxruntime")
+    mp = device_env(device)
     d = tmp_path_factory.mktemp(f"medusa_{fmt}_{device}")
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=9)
     cfg = json.loads((ckpt / "config.json").read_text())

@@ -5,7 +5,6 @@ restarts (resync), or comes back after the back-off; the node's shadows follow t
 import json
 import time
 
-import numpy as np
 import pytest
 
 from conftest import run_batch

@@ -8,13 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from backend.build.pipeline import BuildConfig, build
 from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig
 from backend.manifest import Device, EngineManifest, WeightFormat
 from backend.sequence import Request
 from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity,  # noqa: E402
                       assert_seeded_sampling_matches_plain, assert_serves_like_offline, chain,
-                      make_tiny_checkpoint, random_head)
+                      tiny_with_head)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,15 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_cuda")
-    ckpt = make_tiny_checkpoint(d / "ckpt", seed=3)
-    first = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.CUDA, quiet=True,
-                              weights=(WeightFormat.FP32,), measure_costs=False))
-    head = random_head(first, d / "head", vocab_size=96)
-    m = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.CUDA, quiet=True,
-                          weights=(WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8),
-                          drafts=("self:1", f"eagle:{head}")))
-    return m, ckpt, d / "repo"
+    return tiny_with_head(tmp_path_factory.mktemp("tiny_cuda"), Device.CUDA,
+                          (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8))
 
 
 def test_build_logits_invariance_and_repository(tiny):

@@ -23,23 +23,16 @@ from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
 from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
-                      assert_serves_like_offline, chain, make_tiny_checkpoint, random_head)
+                      assert_serves_like_offline, chain, device_env, make_tiny_checkpoint,
+                      tiny_with_head)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECDEC_EXECUTOR", "onnxruntime")       # the engine graph on ONNX Runtime (references)
-    d = tmp_path_factory.mktemp("tiny_trt")
-    ckpt = make_tiny_checkpoint(d / "ckpt", seed=3)
-    first = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.TENSORRT, quiet=True,
-                              weights=(WeightFormat.FP32,), measure_costs=False))
-    head = random_head(first, d / "head", vocab_size=96)
-    m = build(BuildConfig(target=str(ckpt), output=d / "repo", device=Device.TENSORRT, quiet=True,
-                          weights=(WeightFormat.FP32, WeightFormat.FP8), drafts=("self:1", f"eagle:{head}")))
-    yield m, ckpt, d / "repo"
+    mp = device_env("tensorrt")                        # the engine graph on ONNX Runtime (references)
+    yield tiny_with_head(tmp_path_factory.mktemp("tiny_trt"), Device.TENSORRT, (WeightFormat.FP32, WeightFormat.FP8))
     mp.undo()
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.build import checkpoint as ckpt_mod
+from backend.build import drafts as drafts_mod
 from backend.build.graph import GraphSpec, build_decoder, save_model
 from backend.build.templates import fill_repository
 from backend.manifest import FORMATS, DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
@@ -89,7 +90,9 @@ def build(cfg: BuildConfig) -> EngineManifest:
 
     engines: dict[str, EngineFile] = {}
     timings: dict[str, float] = {}
-    drafts: dict[str, DraftEntry] = {}
+    drafts: dict[str, DraftEntry] = dict(drafts_mod.medusa_entry(s, engine_dir, ck.config, log)
+                                         for s in cfg.drafts if s.startswith("medusa:"))
+    device_drafts = [s for s in cfg.drafts if not s.startswith("medusa:")]    # the rest: per device
     gpu = None
     default_format = cfg.default_format or cfg.weights[0]
     if cfg.device is Device.CUDA:
@@ -100,7 +103,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
             "no CUDA device: the torch engines are built for this CPU (tests, FP8 quality); "
             "a GPU server needs the build run on its GPU")
         engines, timings = torch_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
-        for spec in cfg.drafts:
+        for spec in device_drafts:
             name, entry = torch_engine.build_draft(spec, ck, engines[default_format.value], max_seq, engine_dir, log)
             drafts[name] = entry
     elif cfg.device is Device.TENSORRT:
@@ -108,11 +111,11 @@ def build(cfg: BuildConfig) -> EngineManifest:
 
         gpu, missing = trt_engine.environment()
         engines, timings, act = trt_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
-        for spec in cfg.drafts:
+        for spec in device_drafts:
             name, entry = trt_engine.build_draft(spec, ck, engines[default_format.value], act, max_seq,
                                                  engine_dir, tok_path, log)
             drafts[name] = entry
-        onnx_files = [engine_dir / e.path for e in engines.values()] + [engine_dir / d.path for d in drafts.values()]
+        onnx_files = [engine_dir / x.path for x in [*engines.values(), *drafts.values()] if x.path.endswith(".onnx")]
         if missing:
             log(f"engine-ready ONNX written, no TensorRT engine built: {missing}")
         else:
@@ -128,7 +131,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
             engines[fmt.value] = _export(ck, fmt, ck.config.num_layers, max_seq, engine_dir,
                                          f"target_{fmt.value}", cfg.quiet)
             timings[fmt.value] = time.time() - t0
-        for spec in cfg.drafts:
+        for spec in device_drafts:
             name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log)
             drafts[name] = entry
 
@@ -227,17 +230,8 @@ def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Pa
 
 
 def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log):
-    if spec.startswith("medusa:"):
-        from backend.drafters.medusa import ENGINE_FILE, export_medusa
-
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        extra = export_medusa(head_dir, engine_dir, target.config.hidden_size, target.config.vocab_size)
-        log(f"Medusa heads from {head_dir}: {extra['num_heads']} heads -> {ENGINE_FILE}")
-        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(head_dir), extra)
     if spec.startswith("self:"):
-        n = int(spec.split(":", 1)[1])
-        if not 0 < n < target.config.num_layers:
-            raise ValueError(f"--draft self:N needs 0 < N < {target.config.num_layers}, got {n}")
+        n = drafts_mod.self_layers(spec, target.config)
         ef = _export(target, WeightFormat.Q4, n, max_seq, engine_dir, f"draft_self{n}_q4", quiet)
         log(f"self-draft: first {n} layers + head, q4")
         return f"self{n}", DraftEntry("self", ef.path, n, target.source,
@@ -245,18 +239,12 @@ def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool,
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import export_eagle_head
 
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        path = export_eagle_head(head_dir, target, engine_dir, max_seq)
-        from backend.drafters.head_formats import head_meta
-
-        meta = head_meta(head_dir)
-        log(f"EAGLE head from {head_dir} -> {path.name} (draft vocabulary {meta['draft_vocab_size']})")
-        return "eagle", DraftEntry("eagle", path.name, 1, str(head_dir),
-                                   {**meta, "vocab_path": "draft_eagle_vocab.npy"})
-    dck = ckpt_mod.load_checkpoint(spec)
-    if dck.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
-                         f"target's {target.config.vocab_size}; the draft must share the vocabulary")
+        head = drafts_mod.head_dir(spec)
+        path, vocab = export_eagle_head(head, target, engine_dir, max_seq)
+        entry = drafts_mod.eagle_entry(head, engine_dir, path.name, vocab)
+        log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.extra['draft_vocab_size']})")
+        return "eagle", entry
+    dck = drafts_mod.draft_checkpoint(spec, target.config)
     fmt = WeightFormat.Q4 if dck.config.hidden_size % 32 == 0 else WeightFormat.FP32
     stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
     ef = _export(dck, fmt, dck.config.num_layers, max_seq, engine_dir, stem, quiet)

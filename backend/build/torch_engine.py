@@ -141,39 +141,24 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int,
     """--draft for the torch runtime -> (manifest name, DraftEntry). self:N reads the first N
     layers of the target's own file; a head or a draft model is written in bf16 (fp32 beside an
     fp32 target)."""
-    from backend.build.checkpoint import CheckpointError, load_checkpoint
+    from backend.build.drafts import draft_checkpoint, eagle_entry, head_dir, self_layers
     from backend.manifest import DraftEntry
 
-    if spec.startswith("medusa:"):
-        from backend.drafters.medusa import ENGINE_FILE, export_medusa
-
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        extra = export_medusa(head_dir, engine_dir, ck.config.hidden_size, ck.config.vocab_size)
-        log(f"Medusa heads from {head_dir}: {extra['num_heads']} heads -> {ENGINE_FILE}")
-        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(head_dir), extra)
 
     fmt = WeightFormat.FP32 if target.weights is WeightFormat.FP32 else WeightFormat.BF16
     if spec.startswith("self:"):
-        n = int(spec.split(":", 1)[1])
-        if not 0 < n < ck.config.num_layers:
-            raise ValueError(f"--draft self:N needs 0 < N < {ck.config.num_layers}, got {n}")
+        n = self_layers(spec, ck.config)
         log(f"self-draft: first {n} layers + head of {target.path}")
         return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import head_checkpoint
-        from backend.drafters.head_formats import head_meta
 
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        hck, vocab = head_checkpoint(head_dir, ck)
+        head = head_dir(spec)
+        hck, vocab = head_checkpoint(head, ck)
         ef = export(hck, fmt, 1, engine_dir, "draft_eagle")
-        np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
-        meta = head_meta(head_dir)
-        log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
-        return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir), {**meta, "vocab_path": "draft_eagle_vocab.npy"})
-    dck = load_checkpoint(spec)
-    if dck.config.vocab_size != ck.config.vocab_size:
-        raise CheckpointError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
-                              f"target's {ck.config.vocab_size}; the draft must share the vocabulary")
+        log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
+        return "eagle", eagle_entry(head, engine_dir, ef.path, vocab)
+    dck = draft_checkpoint(spec, ck.config)
     ef = export(dck, fmt, dck.config.num_layers, engine_dir, f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}")
     log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
     return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),

@@ -82,45 +82,26 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
 def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None, max_seq_len: int,
                 engine_dir: Path, tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
     """--draft as an engine graph without the verification tail, in the target's format."""
-    import numpy as np
-
-    from backend.build.checkpoint import CheckpointError, load_checkpoint
-
-    if spec.startswith("medusa:"):
-        from backend.drafters.medusa import ENGINE_FILE, export_medusa
-
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        extra = export_medusa(head_dir, engine_dir, ck.config.hidden_size, ck.config.vocab_size)
-        log(f"Medusa heads from {head_dir}: {extra['num_heads']} heads -> {ENGINE_FILE}")
-        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(head_dir), extra)
+    from backend.build.drafts import draft_checkpoint, eagle_entry, head_dir, self_layers
 
     fmt = target.weights
     if spec.startswith("self:"):
-        n = int(spec.split(":", 1)[1])
-        if not 0 < n < ck.config.num_layers:
-            raise ValueError(f"--draft self:N needs 0 < N < {ck.config.num_layers}, got {n}")
+        n = self_layers(spec, ck.config)
         ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
                     f"draft_self{n}_{fmt.value}", act)
         log(f"self-draft: first {n} layers + head, {fmt.value}")
         return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
     if spec.startswith("eagle:"):
         from backend.drafters.eagle_export import head_checkpoint
-        from backend.drafters.head_formats import head_meta
 
-        head_dir = Path(spec.split(":", 1)[1]).resolve()
-        hck, vocab = head_checkpoint(head_dir, ck)
+        head = head_dir(spec)
+        hck, vocab = head_checkpoint(head, ck)
         hact = _calibrate(ck, max_seq_len, tokenizer_json, log, head=hck) if fmt is WeightFormat.FP8 else None
         ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
                     f"draft_eagle_{fmt.value}", hact)
-        np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
-        meta = head_meta(head_dir)
-        log(f"EAGLE head from {head_dir} -> {ef.path} ({fmt.value})")
-        return "eagle", DraftEntry("eagle", ef.path, 1, str(head_dir),
-                                   {**meta, "vocab_path": "draft_eagle_vocab.npy", "weights": fmt.value})
-    dck = load_checkpoint(spec)
-    if dck.config.vocab_size != ck.config.vocab_size:
-        raise CheckpointError(f"draft {spec}: vocabulary size {dck.config.vocab_size} differs from the "
-                              f"target's {ck.config.vocab_size}; the draft must share the vocabulary")
+        log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
+        return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, weights=fmt.value)
+    dck = draft_checkpoint(spec, ck.config)
     dact = _calibrate(dck, max_seq_len, tokenizer_json, log) if fmt is WeightFormat.FP8 else None
     stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
     ef = _write(dck, GraphSpec(fmt, dck.config.num_layers, max_seq_len, plugins=True, verify=False), engine_dir,

@@ -41,10 +41,10 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
     return Checkpoint(config, tensors, TokenizerSource(), str(head_dir)), vocab
 
 
-def export_eagle_head(head_dir: Path, target: Checkpoint, engine_dir: Path, max_positions: int) -> Path:
+def export_eagle_head(head_dir: Path, target: Checkpoint, engine_dir: Path, max_positions: int) -> tuple[Path, np.ndarray]:
+    """The head as an ONNX engine in `engine_dir` -> (its path, the draft vocabulary map)."""
     ck, vocab = head_checkpoint(Path(head_dir), target)
     model = build_decoder(ck, GraphSpec(WeightFormat.FP32, 1, max_positions, eagle=True))
     path = Path(engine_dir) / EAGLE_ONNX
     save_model(model, path)
-    np.save(Path(engine_dir) / "draft_eagle_vocab.npy", vocab)
-    return path
+    return path, vocab

@@ -66,6 +66,17 @@ def verdicts_from_arrays(drafts, nodes: np.ndarray, ids: np.ndarray, num: np.nda
             for r, d in enumerate(drafts)]
 
 
+def sampling_arrays(params, noises, positions, float_dtype) -> dict[str, np.ndarray]:
+    """A device verification's per-row inputs (plugins/reference.py `verify`): temperature,
+    top_k, top_p, min_p (floats in `float_dtype`), seeds (uint64 bits as int64), out_positions."""
+    return {"temperature": np.array([p.temperature for p in params], float_dtype),
+            "top_k": np.array([p.top_k for p in params], np.int32),
+            "top_p": np.array([p.top_p for p in params], float_dtype),
+            "min_p": np.array([p.min_p for p in params], float_dtype),
+            "seeds": np.array([n.seed for n in noises], np.uint64).view(np.int64),
+            "out_positions": np.array(positions, np.int64)}
+
+
 class Runtime(Protocol):
     config: ModelConfig
     num_layers: int

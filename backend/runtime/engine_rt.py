@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.config import RuntimeOptions
+from backend.config import RuntimeOptions, SamplingParams
 from backend.kv_cache import PAD_PARENT
-from backend.kv_slots import SlotTable
+from backend.kv_slots import SlotSequences, SlotTable
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput, verdicts_from_arrays, verify_on_host
+from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 
 SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
 MAX_VERIFY_NODES = 64     # plugins/kernels.PLUGIN_MAX_NODES: wider trees are verified on the host
@@ -47,15 +47,13 @@ def float32_params(params: list) -> list:
 class _StepOutput(ForwardOutput):
     """A laid-out step; the graph runs when its logits, hidden or verdict are first needed."""
 
-    def __init__(self, rt: "EngineRuntime", feeds: dict, wslot: np.ndarray, wcol: np.ndarray):
+    def __init__(self, rt: "EngineRuntime", feeds: dict, parents: np.ndarray, wslot: np.ndarray, wcol: np.ndarray):
         super().__init__(None, None)
-        self.rt, self.feeds, self.wslot, self.wcol = rt, feeds, wslot, wcol
+        self.rt, self.feeds, self.parents, self.wslot, self.wcol = rt, feeds, parents, wslot, wcol
         self.verdict = None
 
     def resolve(self, res: dict) -> None:
-        self.device_logits, self._device_hidden = res["logits"], res["hidden"]
-        self._logits = res["logits"] if isinstance(res["logits"], np.ndarray) else None
-        self._hidden = res["hidden"] if isinstance(res["hidden"], np.ndarray) else None
+        ForwardOutput.__init__(self, res["logits"], res["hidden"])
         if "num_accepted" in res:
             self.verdict = tuple(_host(res[k]) for k in ("accepted_nodes", "output_ids", "num_accepted"))
 
@@ -70,11 +68,18 @@ class _StepOutput(ForwardOutput):
         return super().hidden
 
 
+class _NoNoise:
+    seed = 0                          # an unverified step's rows: greedy, the noise is never read
+
+
+_NO_NOISE = _NoNoise()
+
+
 def _host(a) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.cpu().numpy()
 
 
-class EngineRuntime:
+class EngineRuntime(SlotSequences):
     def __init__(self, executor, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions()):
         self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len
@@ -85,19 +90,9 @@ class EngineRuntime:
         self.verifies = all(n in self.ex.inputs for n in VERIFY_INPUTS)
         self._pending: _StepOutput | None = None
 
-    # --- sequences ---------------------------------------------------------------------------
-    def alloc(self, seq_id: int) -> None:
-        self.slots.alloc(seq_id)
-
     def free(self, seq_id: int) -> None:
         self.run_pending()
-        self.slots.free(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return self.slots.length(seq_id)
-
-    def room(self) -> int:
-        return self.slots.room()
+        super().free(seq_id)
 
     # --- one step ----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -112,9 +107,8 @@ class EngineRuntime:
         if extra_inputs:
             feeds["features"] = np.asarray(extra_inputs["features"], np.float32)
         self.slots.extend(seq_ids, new_paths)     # their KV is written when the graph runs, before
-        self._pending = _StepOutput(self, feeds, host["wslot"], host["wcol"])   # anything reads it
-        self._pending.parents = np.asarray(parents, np.int32)
-        return self._pending
+        self._pending = _StepOutput(self, feeds, np.asarray(parents, np.int32), host["wslot"], host["wcol"])
+        return self._pending                                                    # (anything reads it)
 
     def run_pending(self, out: _StepOutput | None = None, sampling: dict | None = None) -> None:
         """Run the laid-out step (greedy unless `sampling` gives the verification's inputs)."""
@@ -124,36 +118,23 @@ class EngineRuntime:
         feeds = dict(p.feeds)
         if self.verifies:                 # unverified: each row's root alone (no logits past row 0)
             b, t = feeds["input_ids"].shape
-            feeds.update(sampling or {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
-                                      "top_p": np.ones(b, np.float32), "min_p": np.zeros(b, np.float32),
-                                      "seeds": np.zeros(b, np.int64), "out_positions": np.zeros(b, np.int64),
-                                      "parents": np.c_[np.full((b, 1), -1, np.int32),
-                                                       np.full((b, t - 1), PAD_PARENT, np.int32)]})
+            feeds.update(sampling or {
+                **sampling_arrays([SamplingParams()] * b, [_NO_NOISE] * b, [0] * b, np.float32),
+                "parents": np.c_[np.full((b, 1), -1, np.int32), np.full((b, t - 1), PAD_PARENT, np.int32)]})
         self._pending = None
         p.resolve(self.ex.run(feeds, p.wslot, p.wcol))
 
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
-        """The graph's rejection_sample when `out` is the step still to run and its logits are
-        every node in order (the decoder's verify forward); backend/verify.py on the host
-        otherwise. Both with float32 parameters."""
+        """The graph's rejection_sample when `out` is the step still to run and gathered the
+        logits of every node in order (the decoder's verify forward: its inputs are the drafts,
+        the Runtime contract); backend/verify.py on the host otherwise. Both with float32
+        parameters."""
         params = float32_params(params)
-        t = max(d.tree.num_nodes for d in drafts)
-        ours = (self.verifies and out is self._pending and t <= MAX_VERIFY_NODES
-                and out.feeds["logits_index"].shape[1] == t
-                and np.array_equal(out.feeds["logits_index"], np.broadcast_to(np.arange(t), out.feeds["logits_index"].shape))
-                and all(np.array_equal(out.feeds["input_ids"][r, : d.tree.num_nodes], d.tokens)
-                        and np.array_equal(out.parents[r, : d.tree.num_nodes], d.tree.parents)
-                        for r, d in enumerate(drafts)))
-        if not ours:
+        index = out.feeds["logits_index"] if out is self._pending else None
+        if not (self.verifies and index is not None and index.shape[1] <= MAX_VERIFY_NODES
+                and np.array_equal(index, np.broadcast_to(np.arange(index.shape[1]), index.shape))):
             return verify_on_host(out, drafts, params, noises, positions)
-        self.run_pending(out, {
-            "parents": out.parents,
-            "temperature": np.array([p.temperature for p in params], np.float32),
-            "top_k": np.array([p.top_k for p in params], np.int32),
-            "top_p": np.array([p.top_p for p in params], np.float32),
-            "min_p": np.array([p.min_p for p in params], np.float32),
-            "seeds": np.array([n.seed for n in noises], np.uint64).view(np.int64),
-            "out_positions": np.array(positions, np.int64)})
+        self.run_pending(out, {"parents": out.parents, **sampling_arrays(params, noises, positions, np.float32)})
         return verdicts_from_arrays(drafts, *out.verdict)
 
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:

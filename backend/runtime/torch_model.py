@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backend.manifest import ModelConfig, WeightFormat
+from backend.manifest import ModelConfig
 
 FP8_MAX = 448.0
 CPU_ROW_MULTIPLE = 8

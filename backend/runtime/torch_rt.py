@@ -22,9 +22,9 @@ import torch
 
 from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
-from backend.kv_slots import SlotTable
+from backend.kv_slots import SlotSequences, SlotTable
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput, verdicts_from_arrays, verify_on_host
+from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 from backend.runtime.torch_model import TorchModel, load_tensors
 
 SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
@@ -36,7 +36,7 @@ def _bucket(n: int, sizes: tuple) -> int | None:
     return next((s for s in sizes if n <= s), None)
 
 
-class TorchRuntime:
+class TorchRuntime(SlotSequences):
     def __init__(self, engine_path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,
                  tensors: dict | None = None, dtype: torch.dtype | None = None):
@@ -58,19 +58,6 @@ class TorchRuntime:
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._graphs: dict[tuple[int, int], tuple] = {}
         self.use_graphs = self.device.type == "cuda" and options.cuda_graphs
-
-    # --- sequences ---------------------------------------------------------------------------
-    def alloc(self, seq_id: int) -> None:
-        self.slots.alloc(seq_id)
-
-    def free(self, seq_id: int) -> None:
-        self.slots.free(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return self.slots.length(seq_id)
-
-    def room(self) -> int:
-        return self.slots.room()
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -164,12 +151,10 @@ class TorchRuntime:
         parents = np.full((b, t), PAD_PARENT, np.int32)
         for r, d in enumerate(drafts):
             tokens[r, : d.tree.num_nodes], parents[r, : d.tree.num_nodes] = d.tokens, d.tree.parents
-        col = lambda xs, dt: self._dev(np.array(xs, dt))
+        s = {k: self._dev(v) for k, v in sampling_arrays(params, noises, positions, np.float64).items()}
         nodes, ids, num = kernels.verify(
-            out.device_logits[:, :t], self._dev(tokens), self._dev(parents),
-            col([p.temperature for p in params], np.float64), col([p.top_k for p in params], np.int32),
-            col([p.top_p for p in params], np.float64), col([p.min_p for p in params], np.float64),
-            self._dev(np.array([n.seed for n in noises], np.uint64).view(np.int64)), col(positions, np.int64))
+            out.device_logits[:, :t], self._dev(tokens), self._dev(parents), s["temperature"], s["top_k"],
+            s["top_p"], s["min_p"], s["seeds"], s["out_positions"])
         return verdicts_from_arrays(drafts, nodes.cpu().numpy(), ids.cpu().numpy(), num.cpu().numpy())
 
     def close(self) -> None:
