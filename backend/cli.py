@@ -240,8 +240,12 @@ def cmd_train_draft(args) -> int:
             build(BuildConfig(target=args.target, output=repo, measure_costs=False))
     work = Path(args.work) if args.work else cache_dir() / "train" / Path(args.out).name
     out = train(TrainConfig(out=Path(args.out), engine_dir=engine_dir, work=work,
-                            num_prompts=args.prompts, draft_vocab=args.vocab, epochs=args.epochs,
-                            minutes=args.minutes, max_new_tokens=args.max_new_tokens, seed=args.seed))
+                            corpus_tokens=args.corpus_tokens, num_prompts=args.prompts,
+                            draft_vocab=args.vocab, epochs=args.epochs, minutes=args.minutes,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            val_prompts=args.val_prompts, val_every=args.val_every,
+                            init=Path(args.init) if args.init else None,
+                            vocab_from=Path(args.vocab_from) if args.vocab_from else None))
     print(f"draft head written to {out}; build it with: python build_engines.py --draft eagle:{out}")
     return 0
 
@@ -326,10 +330,18 @@ def main(argv=None) -> int:
                    help="use the target already built here when it matches --target")
     p.add_argument("--out", required=True, help="head directory to write")
     p.add_argument("--work", default=None, help="data + checkpoints (default: ~/.cache/specdec/train/NAME)")
-    p.add_argument("--prompts", type=int, default=1200)
+    p.add_argument("--corpus-tokens", type=int, default=3_000_000,
+                   help="fixed text (docstrings of the stdlib and installed packages), labelled by the target")
+    p.add_argument("--prompts", type=int, default=600,
+                   help="also train on the target's own answers to N generated chat questions")
     p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size (FR-Spec)")
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--minutes", type=float, default=45.0, help="training time budget")
+    p.add_argument("--val-prompts", type=int, default=48, help="held-out chat questions for selection")
+    p.add_argument("--val-every", type=int, default=100, help="steps between validations")
+    p.add_argument("--init", default=None, help="start from this head directory's weights")
+    p.add_argument("--vocab-from", default=None,
+                   help="keep this head directory's draft vocabulary instead of choosing one")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_draft)

@@ -89,6 +89,7 @@ class EngineFile:
     # at build time by build/check.py); decides whether greedy speculation is token-identical.
     batch_invariant: bool | None = None
     pad_single_token: bool = False   # run T=1 steps as T=2 (keeps 4-bit kernels on one path)
+    weight_bytes_per_token: int | None = None   # weights one decode step reads (ONNX engines)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class EngineManifest:
     cost_model: dict | None = None          # measured forward costs (controller.CostModel)
     gpu: dict | None = None                 # cuda: the GPU built for (name, compute_capability,
                                             # library versions); None: built on a CPU
+    source_bytes_per_token: int | None = None   # weights a step reads from the checkpoint itself
+                                            # (what llama.cpp streams for the same GGUF)
     version: int = MANIFEST_VERSION
     root: Path | None = None                # directory the manifest was loaded from (not saved)
 
@@ -145,6 +148,7 @@ class EngineManifest:
             "drafts": {k: dataclasses.asdict(v) for k, v in self.drafts.items()},
             "cost_model": self.cost_model,
             "gpu": self.gpu,
+            "source_bytes_per_token": self.source_bytes_per_token,
         }
 
     def save(self, directory: Path) -> Path:
@@ -180,6 +184,7 @@ class EngineManifest:
             drafts={k: DraftEntry(**v) for k, v in d.get("drafts", {}).items()},
             cost_model=d.get("cost_model"),
             gpu=d.get("gpu"),
+            source_bytes_per_token=d.get("source_bytes_per_token"),
             root=path.parent.resolve(),
         )
 

@@ -28,6 +28,16 @@ def test_tiny_hf_checkpoint_build_and_forward(tmp_path, arch):
     ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 23)
     with torch.no_grad():
         ref = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+    # weights read per token, stated in the manifest: fp32 is every parameter but the embedding
+    # table (its tied LM head included) in 4 bytes; q4 is less; the source is its own tensors
+    ck = load_checkpoint(str(ckpt))
+    params = sum(int(np.prod(t.raw.shape)) for k, t in ck.tensors.items() if k != "embed")
+    params += 0 if "lm_head" in ck.tensors else int(np.prod(ck.tensors["embed"].raw.shape))
+    fp32 = m.engine("fp32").weight_bytes_per_token
+    assert 4 * params <= fp32 <= 4 * params * 1.01 + 4096, (fp32, 4 * params)
+    assert m.engine("q4").weight_bytes_per_token < 0.5 * fp32
+    tied = "lm_head" not in ck.tensors          # an untied embedding is read one row per token
+    assert m.source_bytes_per_token == sum(t.raw.nbytes for k, t in ck.tensors.items() if k != "embed" or tied)
     for fmt, tol in (("fp32", 1e-4), ("q4", 0.15)):
         rt = load_runtime(m, fmt)
         rt.alloc(0)

@@ -80,6 +80,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.source}: missing tensor {name!r}")
         return self.tensors[name]
 
+    def bytes_per_token(self) -> int:
+        """Bytes of weights a decode step reads straight from this checkpoint's tensors (as
+        llama.cpp does from a GGUF): all of them, the embedding only when it is also the LM
+        head (tied; otherwise one row)."""
+        tied = "lm_head" not in self.tensors
+        return sum(int(t.raw.nbytes) for k, t in self.tensors.items() if k != "embed" or tied)
+
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)

@@ -345,6 +345,22 @@ def _mlp(g: _Builder, lin: _Linear, cfg: ModelConfig, spec: GraphSpec, i: int, t
     return g.op("Add", [x, lin(act, f"l{i}.down", _weight(t("down"), spec.weights))])
 
 
+GATHERED = ("embed", "rope_cos", "rope_sin")   # initializers a token reads one row of
+
+
+def weight_bytes_per_token(model: onnx.ModelProto) -> int:
+    """Bytes of weights one decode step reads: every initializer, except the tables a token
+    gathers a single row of (the embedding, the rotary tables)."""
+    from onnx import numpy_helper
+
+    total = 0
+    for t in model.graph.initializer:
+        if t.name in GATHERED:
+            continue
+        total += len(t.raw_data) if t.raw_data else numpy_helper.to_array(t).nbytes
+    return total
+
+
 def save_model(model: onnx.ModelProto, path) -> int:
     """Save with weights in one external data file (no 2 GB protobuf limit). Returns bytes."""
     from pathlib import Path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backend.build import checkpoint as ckpt_mod
 from backend.build import drafts as drafts_mod
-from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
 from backend.build.templates import fill_repository
 from backend.manifest import FORMATS, DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
 
@@ -139,7 +139,8 @@ def build(cfg: BuildConfig) -> EngineManifest:
         model=ck.config, engines=engines, default_format=default_format,
         device=cfg.device, max_seq_len=max_seq, tokenizer_path="tokenizer.json",
         chat_template=ck.tokenizer.chat_template, source=str(source),
-        tool_versions=_tool_versions(), drafts=drafts, gpu=gpu, root=engine_dir.resolve())
+        tool_versions=_tool_versions(), drafts=drafts, gpu=gpu, root=engine_dir.resolve(),
+        source_bytes_per_token=ck.bytes_per_token())
     manifest.save(engine_dir)
     from backend.runtime import reference_executor
 
@@ -224,9 +225,10 @@ def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Pa
     model = build_decoder(ck, GraphSpec(fmt, num_layers, max_seq), progress=bar.update)
     bar.close()
     path = engine_dir / f"{stem}.onnx"
+    per_token = weight_bytes_per_token(model)
     size = save_model(model, path)
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=size,
-                      pad_single_token=fmt is WeightFormat.Q4)
+                      pad_single_token=fmt is WeightFormat.Q4, weight_bytes_per_token=per_token)
 
 
 def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log):
@@ -262,8 +264,12 @@ def _summary(m: EngineManifest, engine_dir: Path, written, timings, total, log) 
         f"{m.model.hidden_size}, vocab {m.model.vocab_size}, max_seq_len {m.max_seq_len}")
     for key, ef in m.engines.items():
         inv = {True: "yes", False: "no", None: "not checked"}[ef.batch_invariant]
+        per_token = f"  reads {ef.weight_bytes_per_token / 1e6:.1f} MB/token" if ef.weight_bytes_per_token else ""
         log(f"  engine     {key:5s} {ef.size_bytes / 1e6:8.1f} MB  {timings.get(key, 0):5.1f}s  "
-            f"batch-invariant: {inv}  {engine_dir / ef.path}")
+            f"batch-invariant: {inv}{per_token}  {engine_dir / ef.path}")
+    if m.source_bytes_per_token:
+        log(f"  source     reads {m.source_bytes_per_token / 1e6:.1f} MB/token straight from the checkpoint "
+            f"(llama.cpp on a GGUF)")
     for name, d in m.drafts.items():
         log(f"  draft      {name}: {d.kind} {engine_dir / d.path}")
     log(f"  default    {m.default_format.value}")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from backend.build.checkpoint import Checkpoint
-from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
 from backend.manifest import DraftEntry, EngineFile, WeightFormat
 
 OPT_BATCH, OPT_NODES = 8, 4          # the profile's optimum: a decode step of a small batch
@@ -49,8 +49,11 @@ def plan_path(onnx_path: Path) -> Path:
 
 def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: dict | None) -> EngineFile:
     path = Path(engine_dir) / f"{stem}.onnx"
-    size = save_model(build_decoder(ck, spec, act_scales=act), path)
-    return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size)
+    model = build_decoder(ck, spec, act_scales=act)
+    per_token = weight_bytes_per_token(model)
+    size = save_model(model, path)
+    return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size,
+                      weight_bytes_per_token=per_token)
 
 
 def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None) -> dict:

@@ -1,11 +1,12 @@
-"""Self-distillation data for the draft head, made by the target itself.
+"""Data for the draft head, labelled by the target itself.
 
-1. responses: the target answers the training prompts (continuous batching through the same
-   SpecDecoder the server uses; the fastest weight format; greedy and sampled). Appended to a
-   JSON-lines file as they finish, so an interrupted run resumes.
+1. responses: the target answers prompts (continuous batching through the same SpecDecoder the
+   server uses; the fastest weight format; greedy and sampled). Appended to a JSON-lines file as
+   they finish, so an interrupted run resumes. Fixed text (corpus.py) gives records of the same
+   form without generating.
 2. features: the serving-format target is run teacher-forced over prompt + response; for every
-   position we keep its final-norm feature (fp16) and the target's top-k next-token
-   distribution (ids and probabilities, unordered). Written in shards; existing shards are skipped on resume.
+   position we keep its final-norm feature (fp16); its next-token distribution is recomputed
+   from that feature at training time. Written in shards; existing shards are skipped on resume.
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-TOPK = 8
-
 
 def _bar(total: int, desc: str, unit: str):
     from tqdm import tqdm
@@ -27,7 +26,7 @@ def _bar(total: int, desc: str, unit: str):
 
 def generate_responses(engine_dir: Path, prompts: list[list[dict]], out_path: Path, fmt: str,
                        max_new: int = 160, batch: int = 16, sampled_fraction: float = 0.3,
-                       seed: int = 0) -> list[dict]:
+                       seed: int = 0, max_prompt: int = 900) -> list[dict]:
     from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
     from backend.engine import make_decoder
     from backend.sequence import Request
@@ -58,7 +57,7 @@ def generate_responses(engine_dir: Path, prompts: list[list[dict]], out_path: Pa
             while todo or active:
                 while todo and len(active) < batch:
                     i = todo.pop(0)
-                    ids = tok.encode(tok.apply_chat_template(prompts[i]), add_special_tokens=False)[-900:]
+                    ids = tok.encode(tok.apply_chat_template(prompts[i]), add_special_tokens=False)[-max_prompt:]
                     temp = 0.8 if rng.random() < sampled_fraction else 0.0
                     seq = dec.start(Request(tuple(ids), SamplingParams(temperature=temp, top_p=0.95,
                                                                        max_tokens=max_new, seed=i),
@@ -80,14 +79,21 @@ def generate_responses(engine_dir: Path, prompts: list[list[dict]], out_path: Pa
     return [done[i] for i in sorted(done)]
 
 
-def extract_features(engine_dir: Path, records: list[dict], out_dir: Path, fmt: str = "fp32",
-                     shard_size: int = 64, chunk: int = 512) -> list[Path]:
+def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: str = "fp32",
+                   shard_size: int = 256, probe_every: int = 8) -> list[Path]:
+    """Teacher-forced features without stored labels (the corpus path, corpus.py).
+
+    Per shard: tokens, final-norm features (fp16) of every position, and at every
+    `probe_every`-th position the target's full-vocabulary argmax (`probe_pos`, `probe_top1`),
+    which chooses the draft vocabulary. Training recomputes the target's distribution over the
+    draft vocabulary from the stored features (logits = feature @ lm_head rows), so only
+    1/probe_every of the rows pay for the full LM head here. One forward per record."""
     from backend.manifest import EngineManifest
     from backend.runtime import load_runtime
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [records[i: i + shard_size] for i in range(0, len(records), shard_size)]
-    paths = [out_dir / f"features_{k:04d}.npz" for k in range(len(shards))]
+    paths = [out_dir / f"hidden_{k:04d}.npz" for k in range(len(shards))]
     if all(p.exists() for p in paths):
         return paths
     rt = load_runtime(EngineManifest.load(engine_dir), fmt)
@@ -98,31 +104,26 @@ def extract_features(engine_dir: Path, records: list[dict], out_dir: Path, fmt: 
         if path.exists():
             bar.update(n)
             continue
-        tokens, feats, top_ids, top_p, offsets, plens = [], [], [], [], [0], []
+        tokens, feats, offsets, plens, probe_pos, probe_top1 = [], [], [0], [], [], []
         for rec in shard:
-            ids = np.asarray(rec["prompt_ids"] + rec["output_ids"], np.int64)
+            ids = np.asarray(rec["prompt_ids"] + rec["output_ids"], np.int64)[: rt.max_seq_len]
+            t = ids.size
+            rows = np.arange(0, t, probe_every)
             rt.alloc(0)
-            for a in range(0, ids.size, chunk):
-                part = ids[a: a + chunk]
-                t = part.size
-                out = rt.forward([0], part[None], np.arange(-1, t - 1, dtype=np.int32)[None], np.arange(t)[None])
-                logits = out.logits[0]
-                idx = np.argpartition(-logits, TOPK, axis=-1)[:, :TOPK]
-                z = logits - logits.max(-1, keepdims=True)
-                p = np.exp(z)
-                p /= p.sum(-1, keepdims=True)
-                top_ids.append(idx.astype(np.int32))
-                top_p.append(np.take_along_axis(p, idx, -1).astype(np.float16))
-                feats.append(out.hidden[0].astype(np.float16))
-                rt.commit([0], [np.arange(t)])
-                bar.update(t)
+            out = rt.forward([0], ids[None], np.arange(-1, t - 1, dtype=np.int32)[None], rows[None])
+            probe_top1.append(out.logits[0].argmax(-1).astype(np.int32))
+            probe_pos.append((rows + offsets[-1]).astype(np.int64))
+            feats.append(out.hidden[0].astype(np.float16))
             rt.free(0)
             tokens.append(ids.astype(np.int32))
-            offsets.append(offsets[-1] + ids.size)
+            offsets.append(offsets[-1] + t)
             plens.append(len(rec["prompt_ids"]))
-        np.savez(path, tokens=np.concatenate(tokens), feats=np.concatenate(feats),
-                 top_ids=np.concatenate(top_ids), top_p=np.concatenate(top_p),
-                 offsets=np.asarray(offsets, np.int64), prompt_lens=np.asarray(plens, np.int64))
+            bar.update(t)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=np.concatenate(tokens), feats=np.concatenate(feats),
+                 offsets=np.asarray(offsets, np.int64), prompt_lens=np.asarray(plens, np.int64),
+                 probe_pos=np.concatenate(probe_pos), probe_top1=np.concatenate(probe_top1))
+        tmp.rename(path)
     bar.close()
     rt.close()
     return paths

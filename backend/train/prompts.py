@@ -117,7 +117,7 @@ def build_prompts(n: int, seed: int = 0, common_words: list[str] | None = None) 
     prompts = _doc_prompts(min(n, GENERAL_FROM), seed)
     if n > GENERAL_FROM:
         rng = random.Random(seed + 1)
-        words = _topics(common_words)
+        words = _topics(common_words) or _topics()
         for _ in range(n - GENERAL_FROM):
             text = rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words), w2=rng.choice(words))
             prompts.append([{"role": "user", "content": text}])
@@ -147,3 +147,13 @@ def tokenizer_words(tokenizer_json: str) -> list[str]:
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     words = [(i, t[1:]) for t, i in vocab.items() if t.startswith("\u0120") and re.fullmatch(r"[a-z]{5,12}", t[1:])]
     return [w for _, w in sorted(words)]
+
+
+def validation_prompts(n: int = 48, common_words: list[str] | None = None) -> list[list[dict]]:
+    """Held-out open-chat questions for selecting a head: the general templates with topics
+    drawn from a seed no training prompt uses (never the benchmark prompts)."""
+    rng = random.Random(10_007)
+    words = _topics(common_words) or _topics()
+    return [[{"role": "user", "content": rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words),
+                                                                               w2=rng.choice(words))}]
+            for _ in range(n)]

@@ -1,0 +1,110 @@
+"""`specdec train-draft` end to end on a tiny target: fixed text and the target's own answers,
+labels recomputed from the stored features, held-out validation choosing the written head,
+and the written head builds and speculates losslessly."""
+import json
+
+import numpy as np
+import pytest
+
+from backend.build.pipeline import BuildConfig, build
+from conftest import chain, make_tiny_checkpoint
+
+torch = pytest.importorskip("torch")
+
+DOCS = '''
+def {name}(x):
+    """{text}"""
+'''
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from backend.train.eagle_train import TrainConfig, train
+
+    d = tmp_path_factory.mktemp("train")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=5)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False))
+    src = d / "src" / "pkg"
+    src.mkdir(parents=True)
+    sentence = "the quick brown fox jumps over the lazy dog and says hello world to speculative decoding. "
+    for k in range(8):
+        (src / f"mod{k}.py").write_text("".join(DOCS.format(
+            name=f"f{j}", text=f"Function {j} of module {k}: " + sentence * (3 + j)) for j in range(4)))
+    cfg = TrainConfig(out=d / "head", engine_dir=m.root, work=d / "work", corpus_tokens=3000,
+                      corpus_roots=[str(d / "src")], num_prompts=3, max_new_tokens=12, draft_vocab=64,
+                      window=32, batch=4, epochs=2, minutes=2.0, val_prompts=3, val_every=4)
+    return m, train(cfg), cfg
+
+
+def test_corpus_is_fixed_text_as_chats(trained):
+    from backend.tokenizer import Tokenizer
+
+    m, _, cfg = trained
+    tok = Tokenizer.from_manifest(m)
+    recs = [json.loads(l) for l in (cfg.work / "data" / "corpus.jsonl").read_text().splitlines()]
+    assert sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in recs) >= cfg.corpus_tokens
+    answer = tok.decode(recs[0]["output_ids"])
+    assert "quick brown fox" in answer
+    assert "assistant" in tok.decode(recs[0]["prompt_ids"], skip_special_tokens=False)
+    own = [json.loads(l) for l in (cfg.work / "data" / "responses.jsonl").read_text().splitlines()]
+    assert len(own) == cfg.num_prompts
+
+
+def test_stored_features_give_the_targets_distribution(trained):
+    """Training labels are softmax(feature @ LM head): check that against the engine's logits."""
+    from backend.build.checkpoint import load_checkpoint
+    from backend.runtime import load_runtime
+    from backend.train.eagle_train import _load_shards
+
+    m, _, cfg = trained
+    seq = _load_shards(sorted((cfg.work / "data" / "val_features").glob("hidden_*.npz")))[0]
+    ck = load_checkpoint(m.source)
+    head = ck.tensors.get("lm_head", ck.tensor("embed")).float32()
+    rt = load_runtime(m, m.default_format.value)
+    ids = seq["tokens"].astype(np.int64)
+    rt.alloc(0)
+    out = rt.forward([0], ids[None], chain(ids.size), np.arange(ids.size)[None])
+    rt.free(0)
+    recomputed = seq["feats"].astype(np.float32) @ head.T
+    np.testing.assert_allclose(recomputed, out.logits[0], atol=5e-3 * np.abs(out.logits).max())
+    assert (seq["top1"] == out.logits[0].argmax(-1)).all()        # probe_every=1 for validation
+
+
+def test_validation_curve_selects_the_written_head(trained):
+    from backend.train.eagle_train import _load_shards, load_head, validate
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.train.eagle_model import EagleHead
+
+    m, head_dir, cfg = trained
+    conf, w = load_head(head_dir)
+    curve = conf["training"]["validation_curve"]
+    assert len(curve) >= 3 and curve[0]["tokens"] == 0
+    assert all(b["tokens"] > a["tokens"] for a, b in zip(curve, curve[1:]))
+    best = conf["training"]["validation_best"]
+    assert best["score"] == max(v["score"] for v in curve)
+    assert (head_dir / "training.png").stat().st_size > 10_000
+    # the written weights are the best checkpoint's: validating them again gives its numbers
+    vocab = w["draft_vocab"].astype(np.int64)
+    ck = load_checkpoint(m.source)
+    embed = ck.tensor("embed").float32()
+    cos, sin = rope_tables(m.model, m.max_seq_len)
+    model = EagleHead(conf, embed, ck.tensors.get("lm_head", ck.tensor("embed")).float32()[vocab], cos, sin)
+    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
+    val = _load_shards(sorted((cfg.work / "data" / "val_features").glob("hidden_*.npz")))
+    again = validate(model.eval(), val, vocab)
+    assert again["positions"] == best["positions"]
+    assert abs(again["acc1"] - best["acc1"]) <= 2.0 / best["positions"]   # fp16 weights
+
+
+def test_trained_head_builds_and_is_lossless(trained):
+    from backend.config import DrafterKind
+    from backend.engine import make_decoder
+    from backend.config import ServeConfig, SpecConfig
+    from conftest import assert_greedy_identity
+
+    m, head_dir, _ = trained
+    m2 = build(BuildConfig(target=m.source, output=m.root.parents[2] / "repo2", quiet=True,
+                           measure_costs=False, drafts=(f"eagle:{head_dir}",)))
+    dec = make_decoder(ServeConfig(engine_dir=str(m2.root), spec=SpecConfig(auto_drafter=DrafterKind.EAGLE)))
+    assert_greedy_identity(dec, DrafterKind.EAGLE)
