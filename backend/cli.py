@@ -245,7 +245,8 @@ def cmd_train_draft(args) -> int:
                             max_new_tokens=args.max_new_tokens, seed=args.seed,
                             val_prompts=args.val_prompts, val_every=args.val_every,
                             init=Path(args.init) if args.init else None,
-                            vocab_from=Path(args.vocab_from) if args.vocab_from else None))
+                            vocab_from=Path(args.vocab_from) if args.vocab_from else None,
+                            own_repeat=args.own_repeat, lr=args.lr, ttt_steps=args.ttt_steps))
     print(f"draft head written to {out}; build it with: python build_engines.py --draft eagle:{out}")
     return 0
 
@@ -340,6 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--val-prompts", type=int, default=48, help="held-out chat questions for selection")
     p.add_argument("--val-every", type=int, default=100, help="steps between validations")
     p.add_argument("--init", default=None, help="start from this head directory's weights")
+    p.add_argument("--own-repeat", type=int, default=1, help="times each own answer is seen per epoch")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test passes on own features")
     p.add_argument("--vocab-from", default=None,
                    help="keep this head directory's draft vocabulary instead of choosing one")
     p.add_argument("--max-new-tokens", type=int, default=160)
