@@ -98,9 +98,8 @@ def test_validation_curve_selects_the_written_head(trained):
 
 
 def test_trained_head_builds_and_is_lossless(trained):
-    from backend.config import DrafterKind
+    from backend.config import DrafterKind, ServeConfig, SpecConfig
     from backend.engine import make_decoder
-    from backend.config import ServeConfig, SpecConfig
     from conftest import assert_greedy_identity
 
     m, head_dir, _ = trained

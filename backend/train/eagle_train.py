@@ -228,6 +228,7 @@ def train(cfg: TrainConfig) -> Path:
     manifest = EngineManifest.load(cfg.engine_dir)
     shards, val_shards, t_data = prepare_data(cfg, manifest, Tokenizer.from_manifest(manifest))
     seqs = [q for source, paths in shards.items() for q in _load_shards(paths, source)]
+    n_tok = sum(len(s["tokens"]) for s in seqs)                     # distinct tokens
     seqs += [q for q in seqs if q["source"] == "own"] * (cfg.own_repeat - 1)
     val_seqs = _load_shards(val_shards, "validation")
     if not seqs:
@@ -253,9 +254,7 @@ def train(cfg: TrainConfig) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     feat_std = float(np.sqrt(np.mean([np.mean(s["feats"][:512].astype(np.float32) ** 2) for s in seqs[:64]])))
     rng = np.random.default_rng(cfg.seed)
-    n_tok = sum(len(s["tokens"]) for s in seqs if s["source"] != "own") + sum(
-        len(s["tokens"]) for s in seqs if s["source"] == "own") // max(1, cfg.own_repeat)   # distinct
-    steps_per_epoch = sum(1 for _ in _batches(seqs, cfg.window, cfg.batch, np.random.default_rng(0)))
+    steps_per_epoch = math.ceil(len(_windows(seqs, cfg.window)) / cfg.batch)   # what _batches yields
     total_steps = steps_per_epoch * cfg.epochs
     ckpt_path, best_path = work / "checkpoint.pt", work / "best.pt"
     state = {"step": 0, "epoch": 0, "history": [], "validation": [], "best": None, "tokens_seen": 0}

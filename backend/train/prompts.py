@@ -116,12 +116,15 @@ def build_prompts(n: int, seed: int = 0, common_words: list[str] | None = None) 
     tasks first, then (from index GENERAL_FROM on) general chat questions about common words."""
     prompts = _doc_prompts(min(n, GENERAL_FROM), seed)
     if n > GENERAL_FROM:
-        rng = random.Random(seed + 1)
-        words = _topics(common_words) or _topics()
-        for _ in range(n - GENERAL_FROM):
-            text = rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words), w2=rng.choice(words))
-            prompts.append([{"role": "user", "content": text}])
+        prompts += _general_prompts(n - GENERAL_FROM, random.Random(seed + 1), common_words)
     return prompts
+
+
+def _general_prompts(n: int, rng: random.Random, common_words: list[str] | None) -> list[list[dict]]:
+    words = _topics(common_words) or _topics()
+    return [[{"role": "user", "content": rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words),
+                                                                               w2=rng.choice(words))}]
+            for _ in range(n)]
 
 
 def _doc_prompts(n: int, seed: int) -> list[list[dict]]:
@@ -152,8 +155,4 @@ def tokenizer_words(tokenizer_json: str) -> list[str]:
 def validation_prompts(n: int = 48, common_words: list[str] | None = None) -> list[list[dict]]:
     """Held-out open-chat questions for selecting a head: the general templates with topics
     drawn from a seed no training prompt uses (never the benchmark prompts)."""
-    rng = random.Random(10_007)
-    words = _topics(common_words) or _topics()
-    return [[{"role": "user", "content": rng.choice(_TEMPLATES_GENERAL).format(w=rng.choice(words),
-                                                                               w2=rng.choice(words))}]
-            for _ in range(n)]
+    return _general_prompts(n, random.Random(10_007), common_words)
