@@ -10,7 +10,6 @@ from pathlib import Path
 from backend.config import DrafterKind
 
 DEFAULT_REPO = "model_repository"
-_DEFAULT_WEIGHTS = {"cpu": "fp32,q4", "cuda": "bf16,fp8", "tensorrt": "fp8"}
 
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
@@ -23,9 +22,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                         "engine-ready ONNX only)")
     p.add_argument("--weights", default=None,
                    help="weight formats to build, comma separated (first = serving default): "
-                        "fp32, q4 for cpu (default fp32,q4); fp32, bf16, fp8 for cuda (default bf16,fp8); "
+                        "gguf, fp32, q4 for cpu (default gguf,fp32,q4; gguf: the GGUF's own blocks on our C "
+                        "kernel, left out where the install could not compile it); fp32, bf16, fp8 for cuda (default bf16,fp8); "
                         "fp32, fp8 for tensorrt (default fp8)")
-    p.add_argument("--default-format", default=None, choices=["fp32", "q4", "bf16", "fp8"],
+    p.add_argument("--default-format", default=None, choices=["gguf", "fp32", "q4", "bf16", "fp8"],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
@@ -49,8 +49,7 @@ def cmd_build(args) -> int:
     from backend.build.pipeline import BuildConfig, build
     from backend.manifest import Device, WeightFormat
 
-    weights = tuple(WeightFormat(w.strip()) for w in
-                    (args.weights or _DEFAULT_WEIGHTS[args.device]).split(",") if w.strip())
+    weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip()) if args.weights else None
     cfg = BuildConfig(
         target=args.target, output=Path(args.output), device=Device(args.device), weights=weights,
         default_format=WeightFormat(args.default_format) if args.default_format else None,

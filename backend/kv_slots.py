@@ -18,6 +18,8 @@ import numpy as np
 
 from backend.kv_cache import PAD_PARENT
 
+SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
+
 
 @dataclass
 class _Seq:

@@ -20,6 +20,7 @@ MANIFEST_VERSION = 2          # 2: cuda engines, gpu; generator sends text (rebu
 class WeightFormat(str, enum.Enum):
     FP32 = "fp32"  # exact: every weight dequantized to float32
     Q4 = "q4"      # 4-bit MatMulNBits; GGUF blocks repacked exactly (see build/quant.py) (cpu)
+    GGUF = "gguf"  # the GGUF's own Q4_1 / Q8_0 blocks, run by our C decode step (runtime/native.py) (cpu)
     BF16 = "bf16"  # bfloat16 weights (cuda)
     FP8 = "fp8"    # float8 E4M3, per-output-channel weight and per-tensor activation scales (cuda)
 
@@ -30,7 +31,7 @@ class Device(str, enum.Enum):
     TENSORRT = "tensorrt"  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
 
 
-FORMATS = {Device.CPU: (WeightFormat.FP32, WeightFormat.Q4),
+FORMATS = {Device.CPU: (WeightFormat.FP32, WeightFormat.Q4, WeightFormat.GGUF),
            Device.CUDA: (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8),
            Device.TENSORRT: (WeightFormat.FP32, WeightFormat.FP8)}
 

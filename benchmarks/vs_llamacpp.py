@@ -56,9 +56,13 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
     the chat template rendered with add_generation_prompt=True (no BOS), greedy decoding of
     exactly `max_new_tokens` new tokens with EOS ignored, a fresh KV cache per prompt, one
     untimed warm-up generation, decode-only throughput = (new tokens after the first) / (time
-    after the first new token). Every weight format built is measured; the fastest is "ours"."""
+    after the first new token). Every weight format built is measured; the fastest is "ours".
+    Then end to end (prefill included, all new tokens over the whole time): plain decoding and
+    speculative decoding with `--drafter auto` on the serving format, as `specdec serve` runs
+    them (the embedded default's drafts, the build's cost model)."""
     sys.path.insert(0, str(HERE.parent))
     from backend.bench.engine_bench import plain_tokens_per_s
+    from backend.build.embedded import default_drafts
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.manifest import EngineManifest
 
@@ -66,22 +70,34 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
     engine_dir = repo / ENGINE_SUBDIR
     try:
         manifest = EngineManifest.load(engine_dir)
-        if Path(manifest.source).resolve() != Path(gguf_path).resolve():
+        if Path(manifest.source).resolve() != Path(gguf_path).resolve() or manifest.cost_model is None:
             raise FileNotFoundError
     except (FileNotFoundError, ValueError):
-        manifest = build(BuildConfig(target=str(gguf_path), output=repo, quiet=True,
-                                     measure_costs=False))
+        manifest = build(BuildConfig(target=str(gguf_path), output=repo, drafts=default_drafts(), quiet=True))
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
     by_format = {fmt: plain_tokens_per_s(manifest, fmt, prompts, max_new_tokens)
                  for fmt in manifest.engines}
     best = max(by_format, key=lambda f: by_format[f]["tokens_per_s"])
+    serving = manifest.default_format.value
+    e2e = {d: plain_tokens_per_s(manifest, serving, prompts, max_new_tokens, decode_only=False, drafter=d)
+           for d in ("none", "auto")}
     return {
         "decode_tokens_per_s": by_format[best]["tokens_per_s"],
         "format": best,
         "decode_tokens_per_s_by_format": {f: r["tokens_per_s"] for f, r in by_format.items()},
-        "per_prompt": [{"id": p["id"], "decode_tokens_per_s": p["tokens_per_s"]}
-                       for p in by_format[best]["per_prompt"]],
+        "per_prompt": [{"id": p["id"], "decode_tokens_per_s": p["tokens_per_s"], "prefill_ms": p["prefill_ms"],
+                        "token_ids": p["token_ids"]} for p in by_format[best]["per_prompt"]],
+        "end_to_end": {"format": serving,
+                       **{f"{d}_tokens_per_s": r["tokens_per_s"] for d, r in e2e.items()},
+                       "auto_outputs_equal_plain": all(a["token_ids"] == b["token_ids"] for a, b in
+                                                       zip(e2e["none"]["per_prompt"], e2e["auto"]["per_prompt"]))},
     }
+
+
+def peer_end_to_end(peer: dict) -> float:
+    """llama.cpp's end-to-end tokens/s: all new tokens over all prefill + decode time."""
+    rows = peer["per_prompt"]
+    return sum(r["new_tokens"] for r in rows) / (sum(r["prefill_ms"] + r["decode_ms"] for r in rows) / 1000)
 
 
 # --------------------------------------------------------------------------------------
@@ -282,12 +298,25 @@ def main(argv: list[str] | None = None) -> int:
     cmp = compare(peer, ours)
     print_report(cmp)
     by_mode = {m: compare(p, ours) for m, p in peers.items()}
+    e2e = {}
     for mode, c in by_mode.items():
+        e2e[mode] = {"llamacpp_tokens_per_s": peer_end_to_end(peers[mode])}
         print(f"llama.cpp flash_attn={mode}: {_f(c['llamacpp_decode_tokens_per_s'])} tok/s; "
               f"ours/llama.cpp = {_f(c['ratio_ours_over_llamacpp'], '.3f')}")
+        if ours is not None:
+            ours_e2e = ours["end_to_end"]
+            e2e[mode].update({f"ratio_{d}_over_llamacpp": ours_e2e[f"{d}_tokens_per_s"] / e2e[mode]["llamacpp_tokens_per_s"]
+                              for d in ("none", "auto")})
+            print(f"  end to end (prefill included): llama.cpp {_f(e2e[mode]['llamacpp_tokens_per_s'])} tok/s; "
+                  f"ours {ours_e2e['format']} plain {_f(ours_e2e['none_tokens_per_s'])} "
+                  f"(x{_f(e2e[mode]['ratio_none_over_llamacpp'], '.3f')}), --drafter auto "
+                  f"{_f(ours_e2e['auto_tokens_per_s'])} (x{_f(e2e[mode]['ratio_auto_over_llamacpp'], '.3f')}); "
+                  f"auto outputs equal plain: {ours_e2e['auto_outputs_equal_plain']}")
     combined = {
+        "date": time.strftime("%Y-%m-%d"),
         "by_flash_attn": {m: {"llamacpp_decode_tokens_per_s": c["llamacpp_decode_tokens_per_s"],
-                              "ratio_ours_over_llamacpp": c["ratio_ours_over_llamacpp"]}
+                              "ratio_ours_over_llamacpp": c["ratio_ours_over_llamacpp"],
+                              "end_to_end": e2e[m]}
                           for m, c in by_mode.items()},
         "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "peer_only": args.peer_only,

@@ -117,3 +117,25 @@ def write_nodes(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.n
         kc[s][:, cols[keep]] = k[r, keep].transpose(1, 0, 2)
         vc[s][:, cols[keep]] = v[r, keep].transpose(1, 0, 2)
     return kc, vc
+
+
+def quantize_rows_ref(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """x [R, K] float32 -> (q [R, K] int8, d [R, K/block] float32), the kernel's own rounding."""
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int8)
+    return q.reshape(x.shape), (amax / np.float32(127.0)).astype(np.float32)
+
+
+def blocked_matmul_ref(kind: str, d: np.ndarray, m: np.ndarray | None, ints: np.ndarray,
+                       x: np.ndarray) -> np.ndarray:
+    """y = (x quantized per block) @ w.T in float64 (the contract in the module docstring)."""
+    n, k = ints.shape
+    q, dx = quantize_rows_ref(x)
+    d64 = np.asarray(d, np.float16).astype(np.float64)
+    w = ints.astype(np.float64).reshape(n, -1, 32) * d64[..., None]
+    if kind == "q4":
+        w = w + np.asarray(m, np.float16).astype(np.float64)[..., None]
+    xd = q.astype(np.float64).reshape(q.shape[0], -1, 32) * dx.astype(np.float64)[..., None]
+    return (xd.reshape(q.shape[0], k) @ w.reshape(n, k).T).astype(np.float32)

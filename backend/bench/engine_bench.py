@@ -51,25 +51,32 @@ def _forward_ms(rt, batch: int, context: int, t: int, reps: int) -> float:
 
 
 def plain_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict], max_new: int,
-                       decode_only: bool = True) -> dict:
-    """Plain greedy decoding (EOS ignored) through the same decoder the server uses."""
-    from backend.config import DrafterKind, SamplingParams
+                       decode_only: bool = True, drafter: str = "none") -> dict:
+    """Greedy decoding (EOS ignored) through the same decoder the server uses: plain (drafter
+    "none": decode-only tokens/s by default) or speculative with `drafter` ("auto": the
+    server's adaptive default, its drafters and cost model as `specdec serve` makes them)."""
+    from backend.config import DrafterKind, SamplingParams, ServeConfig
     from backend.decoder import SpecDecoder
+    from backend.engine import make_decoder
     from backend.runtime import load_runtime
     from backend.sequence import Request
     from backend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_manifest(manifest)
-    rt = load_runtime(manifest, fmt)
-    dec = SpecDecoder(rt, tok, {})
+    kind = DrafterKind(drafter)
+    if kind is DrafterKind.NONE:
+        dec = SpecDecoder(load_runtime(manifest, fmt), tok, {})
+    else:
+        dec = make_decoder(ServeConfig(engine_dir=str(manifest.root), weight_format=fmt), manifest)
     total_tokens, total_s, per_prompt = 0, 0.0, []
     for i, item in enumerate([prompts[0]] + prompts):   # first one is a warm-up
         ids = tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False)
-        req = Request(tuple(ids), SamplingParams(max_tokens=max_new, ignore_eos=True), DrafterKind.NONE)
+        req = Request(tuple(ids), SamplingParams(max_tokens=max_new, ignore_eos=True), kind)
         t0 = time.perf_counter()
-        first_at, n = None, 0
+        first_at, n, out_ids = None, 0, []
         for out in dec.generate(req):
             n += len(out.new_ids)
+            out_ids.extend(int(x) for x in out.new_ids)
             if first_at is None:
                 first_at = time.perf_counter()
         t1 = time.perf_counter()
@@ -79,8 +86,9 @@ def plain_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict], 
         total_tokens += tokens
         total_s += secs
         per_prompt.append({"id": item["id"], "tokens": tokens, "seconds": round(secs, 4),
-                           "tokens_per_s": round(tokens / secs, 2)})
-    rt.close()
+                           "prefill_ms": round(1000 * (first_at - t0), 2),
+                           "tokens_per_s": round(tokens / secs, 2), "token_ids": out_ids})
+    dec.target.close()
     return {"tokens_per_s": total_tokens / total_s, "per_prompt": per_prompt}
 
 

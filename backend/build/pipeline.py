@@ -8,7 +8,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from backend.build import checkpoint as ckpt_mod
@@ -29,7 +29,7 @@ class BuildConfig:
     target: str | None                       # checkpoint path; None = embedded default
     output: Path                             # model repository to fill
     device: Device = Device.CPU
-    weights: tuple[WeightFormat, ...] = (WeightFormat.FP32, WeightFormat.Q4)
+    weights: tuple[WeightFormat, ...] | None = None   # None: default_weights(device)
     default_format: WeightFormat | None = None   # serving format; None = first of `weights`
     drafts: tuple[str, ...] = ()             # "PATH" | "self:N" | "eagle:DIR"
     max_seq_len: int = 2048
@@ -58,8 +58,33 @@ def _tool_versions() -> dict[str, str]:
     return out
 
 
+def native_available() -> bool:
+    """Whether the install compiled the native CPU decode step (plugins/native/decode.c)."""
+    import importlib.util
+
+    return importlib.util.find_spec("plugins._native") is not None
+
+
+def default_weights(device: Device) -> tuple[WeightFormat, ...]:
+    """The formats a build makes when --weights is not given; the first one serves. On a CPU the
+    GGUF blocks on our own kernel (fastest, batch invariant by construction: perf-notes §12),
+    where the install compiled it, then fp32 and q4 on ONNX Runtime."""
+    if device is Device.CUDA:
+        return (WeightFormat.BF16, WeightFormat.FP8)
+    if device is Device.TENSORRT:
+        return (WeightFormat.FP8,)
+    lead = (WeightFormat.GGUF,) if native_available() else ()
+    return (*lead, WeightFormat.FP32, WeightFormat.Q4)
+
+
 def build(cfg: BuildConfig) -> EngineManifest:
+    if cfg.weights is None:
+        cfg = replace(cfg, weights=default_weights(cfg.device))
     wrong = [w.value for w in cfg.weights if w not in FORMATS[cfg.device]]
+    if WeightFormat.GGUF in cfg.weights and not native_available():
+        raise BuildError("--weights gguf needs the native CPU kernel, which the install did not compile "
+                         "(no C compiler with OpenMP?): install gcc and rerun `.venv/bin/pip install -e '.[all]'`, "
+                         "or build --weights fp32,q4")
     if wrong:
         raise BuildError(f"--weights {','.join(wrong)}: not a format of --device {cfg.device.value} "
                          f"(formats: {', '.join(w.value for w in FORMATS[cfg.device])})")
@@ -119,7 +144,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
         if missing:
             log(f"engine-ready ONNX written, no TensorRT engine built: {missing}")
         else:
-            from backend.runtime.engine_rt import SCRATCH_COLUMNS
+            from backend.kv_slots import SCRATCH_COLUMNS
 
             log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']}), TensorRT {gpu['tensorrt']}")
             for f in onnx_files:
@@ -132,7 +157,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
                                          f"target_{fmt.value}", cfg.quiet)
             timings[fmt.value] = time.time() - t0
         for spec in device_drafts:
-            name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log)
+            name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log, engines[default_format.value])
             drafts[name] = entry
 
     manifest = EngineManifest(
@@ -221,6 +246,10 @@ def write_draft_node(repository: Path, kind: str, output: Path) -> Path:
 
 def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Path, stem: str,
             quiet: bool) -> EngineFile:
+    if fmt is WeightFormat.GGUF:
+        from backend.build.native_engine import export_native
+
+        return export_native(ck, num_layers, max_seq, engine_dir / f"{stem}.bin")
     bar = _progress(num_layers, f"export {stem}", quiet)
     model = build_decoder(ck, GraphSpec(fmt, num_layers, max_seq), progress=bar.update)
     bar.close()
@@ -231,9 +260,12 @@ def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Pa
                       pad_single_token=fmt is WeightFormat.Q4, weight_bytes_per_token=per_token)
 
 
-def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log):
+def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log, serving: EngineFile):
     if spec.startswith("self:"):
         n = drafts_mod.self_layers(spec, target.config)
+        if serving.weights is WeightFormat.GGUF:      # the serving engine's first n layers, no new file
+            log(f"self-draft: first {n} layers + head of {serving.path}")
+            return f"self{n}", DraftEntry("self", serving.path, n, target.source, {"weights": serving.weights.value})
         ef = _export(target, WeightFormat.Q4, n, max_seq, engine_dir, f"draft_self{n}_q4", quiet)
         log(f"self-draft: first {n} layers + head, q4")
         return f"self{n}", DraftEntry("self", ef.path, n, target.source,

@@ -96,6 +96,10 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         else:
             cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
         path, layers, pad = manifest.resolve(d.path), d.num_layers, bool(d.extra.get("pad_single_token", False))
+        if d.extra.get("weights") == WeightFormat.GGUF.value:
+            from backend.runtime.native import NativeRuntime
+
+            return NativeRuntime(path, cfg, layers, manifest.max_seq_len, options)
     if manifest.device is Device.TENSORRT:
         from backend.runtime.engine_rt import EngineRuntime, OrtExecutor
 
@@ -112,6 +116,10 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         from backend.runtime.torch_rt import TorchRuntime
 
         return TorchRuntime(path, cfg, layers, manifest.max_seq_len, options, check_device(manifest))
+    if engine == TARGET and ef.weights is WeightFormat.GGUF:
+        from backend.runtime.native import NativeRuntime
+
+        return NativeRuntime(path, cfg, layers, manifest.max_seq_len, options)
     from backend.runtime.ort import OrtRuntime
 
     return OrtRuntime(path, cfg, layers, manifest.max_seq_len, options, pad_single_token=pad)

@@ -29,11 +29,10 @@ import numpy as np
 
 from backend.config import RuntimeOptions, SamplingParams
 from backend.kv_cache import PAD_PARENT
-from backend.kv_slots import SlotSequences, SlotTable
+from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 
-SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
 MAX_VERIFY_NODES = 64     # plugins/kernels.PLUGIN_MAX_NODES: wider trees are verified on the host
 VERIFY_INPUTS = ("parents", "temperature", "top_k", "top_p", "min_p", "seeds", "out_positions")
 

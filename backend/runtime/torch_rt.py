@@ -22,12 +22,11 @@ import torch
 
 from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
-from backend.kv_slots import SlotSequences, SlotTable
+from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 from backend.runtime.torch_model import TorchModel, load_tensors
 
-SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
 

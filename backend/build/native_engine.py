@@ -1,0 +1,152 @@
+"""The native CPU engine (WeightFormat.GGUF): a checkpoint's weights in the blocked layout that
+plugins/native/decode.c reads, in one file.
+
+GGUF blocks are kept as they are: Q4_1 and Q8_0 bit for bit (their f16 scales and offsets too),
+Q4_0 as Q4_1 with m = -8d (exact in f16). So a decode step reads the same bytes per token as
+llama.cpp on the same file. Other tensors (float checkpoints, K-quants) are dequantized and
+quantized to Q8_0 blocks (round to nearest, scale amax/127 in f16, as llama.cpp's quantize).
+The only change is the order: 8 output rows are interleaved per block (decode.c explains why).
+
+File: 8 bytes little-endian header length, a JSON header (model numbers and, per tensor, its
+offset, byte size and kind), then the tensors, each 64-byte aligned.
+Knows: GGUF block layouts, decode.c's layout. Does not know: the kernel, the runtime.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from backend.build.checkpoint import Checkpoint, SourceTensor
+from backend.manifest import EngineFile, WeightFormat
+
+LANES = 16                # outputs interleaved per block (decode.c LANES)
+QBLOCK = 32
+ALIGN = 64
+KINDS = {"q4": 1, "q8": 2}   # decode.c SD_Q4_1, SD_Q8_0
+
+
+def _f16_bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float16).view(np.uint16)
+
+
+def _source_blocks(t: SourceTensor) -> tuple[str, np.ndarray, np.ndarray | None, np.ndarray]:
+    """-> kind, d [N, nb] f16 bits, m [N, nb] f16 bits (q4) or None, ints [N, K] (q4: u in
+    [0, 16), element order; q8: int8)."""
+    n = t.shape[0]
+    if t.qtype in ("Q4_1", "Q4_0", "Q8_0"):
+        nbytes = {"Q4_1": 20, "Q4_0": 18, "Q8_0": 34}[t.qtype]
+        blk = np.ascontiguousarray(t.rows(), np.uint8).reshape(n, -1, nbytes)
+        d = np.ascontiguousarray(blk[:, :, 0:2]).view(np.uint16)[..., 0]
+        if t.qtype == "Q8_0":
+            return "q8", d, None, np.ascontiguousarray(blk[:, :, 2:34]).view(np.int8).reshape(n, -1)
+        if t.qtype == "Q4_1":
+            m, qs = np.ascontiguousarray(blk[:, :, 2:4]).view(np.uint16)[..., 0], blk[:, :, 4:20]
+        else:                                   # Q4_0: w = d (u - 8) = d u + (-8 d), exact in f16
+            m, qs = _f16_bits(d.view(np.float16) * np.float16(-8.0)), blk[:, :, 2:18]
+        u = np.concatenate([qs & 15, qs >> 4], axis=-1)        # element j and j+16 share byte j
+        return "q4", d, m, u.reshape(n, -1)
+    w = t.float32()
+    k = w.shape[1]
+    blocks = w.reshape(n, k // QBLOCK, QBLOCK)
+    d16 = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float16)
+    d32 = d16.astype(np.float32)
+    q = np.rint(blocks / np.where(d32 > 0, d32, 1.0)[..., None])
+    return "q8", d16.view(np.uint16), None, np.clip(q, -127, 127).astype(np.int8).reshape(n, k)
+
+
+def repack(kind: str, d: np.ndarray, m: np.ndarray | None, ints: np.ndarray) -> np.ndarray:
+    """Source blocks -> decode.c's layout [N/16, nb, 320 | 544] uint8 (N padded to 16 with zero rows)."""
+    n, k = ints.shape
+    assert k % QBLOCK == 0, f"input width {k} is not a multiple of {QBLOCK}"
+    pad = (-n) % LANES
+    if pad:
+        z = lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+        d, ints = z(d), z(ints)
+        m = None if m is None else z(m)
+    g, nb = (n + pad) // LANES, k // QBLOCK
+    lanes = lambda a: np.ascontiguousarray(a.reshape(g, LANES, nb).transpose(0, 2, 1)).view(np.uint8).reshape(g, nb, 2 * LANES)
+    x = ints.reshape(g, LANES, nb, QBLOCK).transpose(0, 2, 1, 3)          # [G, nb, lane, 32]
+    if kind == "q4":
+        x = x.astype(np.uint8)
+        lo, hi = x[..., :16].reshape(g, nb, LANES, 4, 4), x[..., 16:].reshape(g, nb, LANES, 4, 4)
+        qs = (lo | (hi << 4)).transpose(0, 1, 3, 2, 4).reshape(g, nb, 4 * 4 * LANES)   # [chunk c][lane][4]
+        return np.ascontiguousarray(np.concatenate([lanes(d), lanes(m), qs], axis=-1))
+    u = (x.astype(np.int16) + 128).astype(np.uint8).reshape(g, nb, LANES, 8, 4)
+    qs = u.transpose(0, 1, 3, 2, 4).reshape(g, nb, 8 * 4 * LANES)
+    return np.ascontiguousarray(np.concatenate([lanes(d), qs], axis=-1))
+
+
+def _matrix(parts: list[SourceTensor]) -> tuple[str, np.ndarray, int, int]:
+    """Row-concatenated source tensors as one blocked matrix -> kind, data, rows (padded), cols.
+    Mixed kinds (a Q8_0 part beside Q4_1 parts) all become Q8_0 (exact for the Q8_0 parts)."""
+    src = [_source_blocks(p) for p in parts]
+    if len({s[0] for s in src}) > 1:
+        src = [_source_blocks(SourceTensor(p.name, "F32", p.shape, p.float32())) if s[0] != "q8" else s
+               for p, s in zip(parts, src)]
+    kind = src[0][0]
+    d = np.concatenate([s[1] for s in src])
+    m = None if kind == "q8" else np.concatenate([s[2] for s in src])
+    ints = np.concatenate([s[3] for s in src])
+    data = repack(kind, d, m, ints)
+    return kind, data, data.shape[0] * LANES, ints.shape[1]
+
+
+def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> EngineFile:
+    from backend.build.graph import rope_tables
+
+    cfg = ck.config
+    tensors: dict[str, tuple[str, np.ndarray, int, int]] = {}
+    f32 = lambda a: ("f32", np.ascontiguousarray(a, np.float32), 0, 0)
+    cos, sin = rope_tables(cfg, max_seq)
+    tensors["rope_cos"], tensors["rope_sin"] = f32(cos), f32(sin)
+    tensors["norm"] = f32(ck.tensor("norm").float32())
+    tensors["embed"] = _matrix([ck.tensor("embed")])
+    if "lm_head" in ck.tensors:
+        tensors["lm_head"] = _matrix([ck.tensor("lm_head")])
+    for i in range(num_layers):
+        t = lambda n: ck.tensor(f"layers.{i}.{n}")
+        tensors[f"layers.{i}.attn_norm"] = f32(t("attn_norm").float32())
+        tensors[f"layers.{i}.mlp_norm"] = f32(t("mlp_norm").float32())
+        tensors[f"layers.{i}.qkv"] = _matrix([t("q"), t("k"), t("v")])
+        tensors[f"layers.{i}.o"] = _matrix([t("o")])
+        tensors[f"layers.{i}.gate_up"] = _matrix([t("gate"), t("up")])
+        tensors[f"layers.{i}.down"] = _matrix([t("down")])
+        if cfg.attention_bias and f"layers.{i}.q_bias" in ck.tensors:
+            tensors[f"layers.{i}.qkv_bias"] = f32(np.concatenate(
+                [t("q_bias").float32(), t("k_bias").float32(), t("v_bias").float32()]))
+    index, offset = {}, 0
+    for name, (kind, arr, rows, cols) in tensors.items():
+        offset = -(-offset // ALIGN) * ALIGN
+        index[name] = {"kind": kind, "offset": offset, "nbytes": int(arr.nbytes), "rows": rows,
+                       "cols": cols, "shape": list(arr.shape)}
+        offset += arr.nbytes
+    header = json.dumps({"num_layers": num_layers, "max_positions": max_seq, "tensors": index}).encode()
+    start = -(-(8 + len(header)) // ALIGN) * ALIGN
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, (_, arr, _, _) in tensors.items():
+            f.seek(start + index[name]["offset"])
+            f.write(arr.tobytes())
+    gathered = {"rope_cos", "rope_sin"} | ({"embed"} if "lm_head" in tensors else set())
+    per_token = sum(v["nbytes"] for k, v in index.items() if k not in gathered)
+    return EngineFile(path=path.name, weights=WeightFormat.GGUF, num_layers=num_layers,
+                      size_bytes=path.stat().st_size, weight_bytes_per_token=per_token)
+
+
+def read_native(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """-> header, tensors (read-only memory maps of the file: every runtime of the process that
+    opens the same engine shares its pages)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    start = -(-(8 + n) // ALIGN) * ALIGN
+    mm = np.memmap(path, np.uint8, "r")
+    out = {}
+    for name, t in header["tensors"].items():
+        raw = mm[start + t["offset"]: start + t["offset"] + t["nbytes"]]
+        out[name] = raw.view(np.float32).reshape(t["shape"]) if t["kind"] == "f32" else raw
+    return header, out

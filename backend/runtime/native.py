@@ -1,0 +1,193 @@
+"""Native CPU runtime: the GGUF-block engine (build/native_engine.py) run by our own C decode
+step (plugins/native/decode.c, compiled by the project's install, loaded with ctypes).
+
+KV: one float16 array (llama.cpp's default KV type: half the bytes a long context streams per
+step) [layers, 2, S + 1, Hkv, L, D] (S = RuntimeOptions.max_sequences, slot S
+takes padding rows' writes, L = max_seq_len + SCRATCH_COLUMNS), its bookkeeping in kv_slots.py
+as in the torch runtime: a forward writes its nodes' KV in place and commit moves the accepted
+columns down, so no step copies the cache (the ONNX graph's Concat copied all of it each step).
+The array is allocated zeroed and lazily by the OS: memory grows with the columns in use.
+Knows: the C entry points and their structs, slots. Does not know: sampling, drafting, requests.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from backend.build.native_engine import KINDS, read_native
+from backend.config import RuntimeOptions
+from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
+from backend.manifest import ModelConfig
+from backend.runtime.base import ForwardOutput, verify_on_host
+
+_P = ctypes.c_void_p
+_I32, _I64, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("data", _P), ("type", _I32), ("rows", _I32), ("cols", _I32), ("pad_", _I32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P),
+                ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
+                                    "head_dim", "vocab", "max_pos")] + \
+               [("eps", _F32), ("scale", _F32), ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
+                ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [("cache", _P), ("slots", _I64), ("cols", _I64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(n, _I32) for n in ("batch", "tokens", "path_len", "num_index", "threads", "pad_")] + \
+               [(n, _P) for n in ("ids", "pos", "wslot", "wcol", "paths", "ctx", "slots", "index",
+                                  "hidden", "logits")]
+
+
+_LIB = None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled decode step (plugins/_native*.so), built by `pip install -e .` (setup.py)."""
+    global _LIB
+    if _LIB is None:
+        spec = importlib.util.find_spec("plugins._native")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("the native CPU engine is not compiled (plugins/_native*.so missing): "
+                               "it needs a C compiler with OpenMP at install time; reinstall with "
+                               "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
+                               "the fp32 / q4 engines (--weights fp32,q4)")
+        lib = ctypes.CDLL(spec.origin)
+        lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step)]
+        lib.sd_forward.restype = ctypes.c_int
+        lib.sd_isa.restype = ctypes.c_char_p
+        lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int]
+        lib.sd_matmul.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
+
+
+def isa() -> str:
+    """The instruction set the kernel was compiled for (avx512-vnni | avx-vnni | avx2)."""
+    return library().sd_isa().decode()
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """The kernel alone: x [R, cols] float32 @ a repacked matrix (native_engine.repack) -> [R, rows]."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.empty((x.shape[0], rows), np.float32)
+    mat = _Matrix(_ptr(data), KINDS[kind], rows, cols, 0)
+    assert library().sd_matmul(ctypes.byref(mat), _ptr(x), x.shape[0], _ptr(y), threads) == 0, (rows, cols)
+    return y
+
+
+class NativeModel:
+    """An engine file's tensors and the C model struct over them (kept alive together)."""
+
+    def __init__(self, path: str | Path, config: ModelConfig, num_layers: int):
+        header, t = read_native(path)
+        self.header, self.tensors = header, t
+        assert num_layers <= header["num_layers"], (num_layers, header["num_layers"])   # a self-draft: the first N
+        mat = lambda name: _Matrix(_ptr(t[name]), KINDS[header["tensors"][name]["kind"]],
+                                   header["tensors"][name]["rows"], header["tensors"][name]["cols"], 0)
+        n = num_layers
+        self.layers = (_Layer * n)(*[
+            _Layer(_ptr(t[f"layers.{i}.attn_norm"]), _ptr(t[f"layers.{i}.mlp_norm"]),
+                   _ptr(t.get(f"layers.{i}.qkv_bias")), mat(f"layers.{i}.qkv"), mat(f"layers.{i}.o"),
+                   mat(f"layers.{i}.gate_up"), mat(f"layers.{i}.down")) for i in range(n)])
+        c = config
+        self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
+                             c.vocab_size, header["max_positions"], c.rms_norm_eps, 1.0 / float(np.sqrt(c.head_dim)),
+                             _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t["norm"]), mat("embed"),
+                             mat("lm_head" if "lm_head" in t else "embed"), self.layers)
+        self.num_layers = n
+
+
+class _Grow:
+    """A float32 buffer reused across forwards (outputs are valid until the next forward)."""
+
+    def __init__(self):
+        self.flat = np.empty(0, np.float32)
+
+    def view(self, shape) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self.flat.size < n:
+            self.flat = np.empty(n + n // 4, np.float32)
+        return self.flat[:n].reshape(shape)
+
+
+class NativeRuntime(SlotSequences):
+    def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
+                 options: RuntimeOptions = RuntimeOptions()):
+        from backend.runtime.ort import default_threads
+
+        self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len
+        self.lib = library()
+        self.model = NativeModel(engine_path, config, num_layers)
+        self.threads = options.threads or default_threads()
+        self.capacity = options.max_sequences or 64
+        self.columns = max_seq_len + SCRATCH_COLUMNS
+        self.cache = np.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
+                               config.head_dim), np.float16)
+        self._cache = _Cache(self.cache.ctypes.data, self.capacity + 1, self.columns)
+        self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
+        self._logits, self._hidden = _Grow(), _Grow()
+        self._lock = threading.Lock()      # one forward at a time; state is not thread safe
+
+    def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
+                logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput:
+        b, t = input_ids.shape                                   # [B, T] int64
+        assert parents.shape == (b, t) and logits_index.ndim == 2 and logits_index.shape[0] == b, \
+            (parents.shape, logits_index.shape)
+        assert not extra_inputs, f"the native engine takes no extra inputs ({sorted(extra_inputs)})"
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        assert ids.min() >= 0 and ids.max() < self.config.vocab_size, (int(ids.min()), int(ids.max()))
+        index = np.ascontiguousarray(logits_index, np.int64)
+        assert index.min() >= 0 and index.max() < t, (index.tolist(), t)
+        with self._lock:
+            host, new_paths = self.slots.layout(seq_ids, parents)
+            hidden = self._hidden.view((b, t, self.config.hidden_size))
+            logits = self._logits.view((b, index.shape[1], self.config.vocab_size))
+            arrays = {"ids": ids, "pos": host["pos"], "wslot": host["wslot"], "wcol": host["wcol"],
+                      "paths": np.ascontiguousarray(host["paths"], np.int32), "ctx": host["ctx"],
+                      "slots": host["slots"], "index": index}
+            step = _Step(b, t, arrays["paths"].shape[2], index.shape[1], self.threads, 0,
+                         *(_ptr(arrays[k]) for k in ("ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
+                                                     "index")), _ptr(hidden), _ptr(logits))
+            rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
+            if rc != 0:
+                raise MemoryError(f"native forward failed (rc {rc}): out of memory for B={b}, T={t}")
+            self.slots.extend(seq_ids, new_paths)
+            return ForwardOutput(logits, hidden)
+
+    def verify(self, out: ForwardOutput, drafts, params, noises, positions):
+        return verify_on_host(out, drafts, params, noises, positions)
+
+    def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
+        """Keep scratch nodes `keep` of each row: their columns move down to the committed end."""
+        with self._lock:
+            sl, src, dst = self.slots.commit(seq_ids, keep)
+            if sl.size:
+                self.cache[:, :, sl, :, dst] = self.cache[:, :, sl, :, src]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        with self._lock:
+            self.slots.truncate(seq_id, length)
+
+    def close(self) -> None:
+        self.slots.clear()
+        self.cache = None

@@ -1,0 +1,19 @@
+"""Build step the pyproject cannot express: the native CPU decode step (plugins/native/decode.c),
+a plain shared library loaded with ctypes by backend/runtime/native.py.
+
+Compiled for the installing machine's CPU (-march=native, as llama.cpp builds by default): the
+serving machine is the one that installs. Optional: without a C compiler with OpenMP the install
+still succeeds and the gguf engine format reports what is missing when used.
+"""
+import platform
+
+from setuptools import Extension, setup
+
+flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # AMX: this kind of VM advertises it but faults on it (benchmarks/vs_llamacpp.py); we never
+    # use it, and keep the compiler from doing so either.
+    flags += ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+
+setup(ext_modules=[Extension("plugins._native", sources=["plugins/native/decode.c"],
+                             extra_compile_args=flags, extra_link_args=["-fopenmp"], optional=True)])
