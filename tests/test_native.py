@@ -81,3 +81,33 @@ def test_greedy_speculation_is_identical_to_plain(tiny, kind):
 
 def test_seeded_sampling_matches_plain(tiny):
     assert_seeded_sampling_matches_plain(decoder(tiny[0], num_draft_tokens=3))
+
+
+def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):
+    """Rows of one forward with different node counts (PAD_PARENT padding after a row's nodes):
+    every real node's logits and features are bitwise those of its row run alone; padding nodes
+    read zero (they are skipped, not computed)."""
+    from backend.kv_cache import PAD_PARENT
+    from backend.runtime import load_runtime
+
+    m = tiny[0]
+    rt = load_runtime(m, "gguf")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, m.model.vocab_size, n) for n in (19, 7)]
+    new = rng.integers(3, m.model.vocab_size, (2, 4))
+    parents = np.array([[-1, 0, 1, 1], [-1, 0, PAD_PARENT, PAD_PARENT]], np.int32)   # a tree; a chain of 2
+    alone = []
+    for sid, (p, ids, par) in enumerate(zip(prompts, new, parents)):
+        rt.alloc(sid)
+        rt.forward([sid], p[None], chain(p.size), np.array([[p.size - 1]]))
+        rt.commit([sid], [np.arange(p.size)])
+        n = int((par != PAD_PARENT).sum())
+        out = rt.forward([sid], ids[None, :n], par[None, :n], np.arange(n)[None])
+        alone.append((out.logits[0].copy(), out.hidden[0].copy()))
+        rt.commit([sid], [np.zeros(0, np.int64)])
+    out = rt.forward([0, 1], new, parents, np.broadcast_to(np.arange(4), (2, 4)).copy())
+    for r, (logits, hidden) in enumerate(alone):
+        n = logits.shape[0]
+        assert np.array_equal(out.logits[r, :n], logits) and np.array_equal(out.hidden[r, :n], hidden), r
+    assert not out.logits[1, 2:].any() and not out.hidden[1, 2:].any()
+    rt.close()

@@ -5,7 +5,7 @@ GGUF blocks are kept as they are: Q4_1 and Q8_0 bit for bit (their f16 scales an
 Q4_0 as Q4_1 with m = -8d (exact in f16). So a decode step reads the same bytes per token as
 llama.cpp on the same file. Other tensors (float checkpoints, K-quants) are dequantized and
 quantized to Q8_0 blocks (round to nearest, scale amax/127 in f16, as llama.cpp's quantize).
-The only change is the order: 8 output rows are interleaved per block (decode.c explains why).
+The only change is the order: 16 output rows are interleaved per block (decode.c explains why).
 
 File: 8 bytes little-endian header length, a JSON header (model numbers and, per tensor, its
 offset, byte size and kind), then the tensors, each 64-byte aligned.

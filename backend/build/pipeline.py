@@ -55,6 +55,10 @@ def _tool_versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
+    if native_available():
+        from backend.runtime.native import isa
+
+        out["native_kernel"] = isa()          # the instruction set decode.c was compiled for
     return out
 
 

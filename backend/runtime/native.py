@@ -20,6 +20,7 @@ import numpy as np
 
 from backend.build.native_engine import KINDS, read_native
 from backend.config import RuntimeOptions
+from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
@@ -49,9 +50,9 @@ class _Cache(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [(n, _I32) for n in ("batch", "tokens", "path_len", "num_index", "threads", "pad_")] + \
-               [(n, _P) for n in ("ids", "pos", "wslot", "wcol", "paths", "ctx", "slots", "index",
-                                  "hidden", "logits")]
+    _fields_ = [(n, _I32) for n in ("batch", "rows", "path_len", "num_logits", "threads", "pad_")] + \
+               [(n, _P) for n in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
+                                  "logit_rows", "hidden", "logits")]
 
 
 _LIB = None
@@ -145,7 +146,7 @@ class NativeRuntime(SlotSequences):
                                config.head_dim), np.float16)
         self._cache = _Cache(self.cache.ctypes.data, self.capacity + 1, self.columns)
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
-        self._logits, self._hidden = _Grow(), _Grow()
+        self._logits, self._hidden, self._packed, self._packed_logits = _Grow(), _Grow(), _Grow(), _Grow()
         self._lock = threading.Lock()      # one forward at a time; state is not thread safe
 
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -160,18 +161,37 @@ class NativeRuntime(SlotSequences):
         assert index.min() >= 0 and index.max() < t, (index.tolist(), t)
         with self._lock:
             host, new_paths = self.slots.layout(seq_ids, parents)
+            # Ragged rows: a row's padding nodes (PAD_PARENT, after its nodes) are not computed; their
+            # outputs read zero and their scratch columns are never written (nothing reads them).
+            real = parents != PAD_PARENT                                  # [B, T]
+            counts = real.sum(1)
+            assert np.array_equal(real, np.arange(t)[None] < counts[:, None]), "padding must follow a row's nodes"
+            row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            wanted = index < counts[:, None]                             # [B, R] logits of real nodes
+            logit_rows = (row_start[:-1, None] + index)[wanted].astype(np.int64)
+            n, full, all_logits = int(row_start[-1]), bool(real.all()), bool(wanted.all())
             hidden = self._hidden.view((b, t, self.config.hidden_size))
             logits = self._logits.view((b, index.shape[1], self.config.vocab_size))
-            arrays = {"ids": ids, "pos": host["pos"], "wslot": host["wslot"], "wcol": host["wcol"],
-                      "paths": np.ascontiguousarray(host["paths"], np.int32), "ctx": host["ctx"],
-                      "slots": host["slots"], "index": index}
-            step = _Step(b, t, arrays["paths"].shape[2], index.shape[1], self.threads, 0,
-                         *(_ptr(arrays[k]) for k in ("ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
-                                                     "index")), _ptr(hidden), _ptr(logits))
-            rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
-            if rc != 0:
-                raise MemoryError(f"native forward failed (rc {rc}): out of memory for B={b}, T={t}")
+            # without padding the kernel writes the outputs in place; else packed, then scattered
+            packed = hidden.reshape(b * t, -1) if full else self._packed.view((n, self.config.hidden_size))
+            packed_logits = (logits.reshape(-1, self.config.vocab_size) if all_logits else
+                             self._packed_logits.view((len(logit_rows), self.config.vocab_size)))
+            arrays = {"row_start": row_start, "ids": ids[real], "pos": host["pos"][real],
+                      "wslot": host["wslot"][real], "wcol": host["wcol"][real],
+                      "paths": np.ascontiguousarray(host["paths"][real], np.int32), "ctx": host["ctx"],
+                      "slots": host["slots"], "logit_rows": logit_rows}
+            step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, 0,
+                         *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
+                                                     "slots", "logit_rows")), _ptr(packed), _ptr(packed_logits))
+            if n:
+                rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
+                if rc != 0:
+                    raise MemoryError(f"native forward failed (rc {rc}): out of memory for B={b}, T={t}")
             self.slots.extend(seq_ids, new_paths)
+            if not full:
+                hidden[~real], hidden[real] = 0.0, packed
+            if not all_logits:
+                logits[~wanted], logits[wanted] = 0.0, packed_logits
             return ForwardOutput(logits, hidden)
 
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):

@@ -191,7 +191,8 @@ def prepare_data(cfg: TrainConfig, manifest, tok) -> tuple[dict[str, list[Path]]
 
     work, t0 = Path(cfg.work) / "data", time.time()
     work.mkdir(parents=True, exist_ok=True)
-    gen_fmt = cfg.gen_format or ("q4" if "q4" in manifest.engines else manifest.default_format.value)
+    fast = [f for f in ("gguf", "q4") if f in manifest.engines]     # generation: the fastest engine built
+    gen_fmt = cfg.gen_format or (fast[0] if fast else manifest.default_format.value)
     feat_fmt = manifest.default_format.value
     words = tokenizer_words(manifest.resolve(manifest.tokenizer_path).read_text())
     max_prompt = min(900, manifest.max_seq_len - cfg.max_new_tokens - 1)

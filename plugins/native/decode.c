@@ -52,9 +52,9 @@
 enum { SD_Q4_1 = 1, SD_Q8_0 = 2 };
 
 typedef struct {
-    const uint8_t *data;   /* [rows/8, cols/32, block bytes] */
+    const uint8_t *data;   /* [rows/16, cols/32, block bytes] */
     int32_t type;          /* SD_Q4_1 | SD_Q8_0 */
-    int32_t rows;          /* outputs (a multiple of 8) */
+    int32_t rows;          /* outputs (a multiple of 16) */
     int32_t cols;          /* inputs (a multiple of 32) */
     int32_t pad_;
 } sd_matrix;
@@ -543,13 +543,15 @@ static void attend_row(const sd_model *m, const sd_cache *c, int layer, int64_t 
 /* ---- the forward ------------------------------------------------------------------------- */
 
 typedef struct {
-    int32_t batch, tokens, path_len, num_index, threads, pad_;
-    const int64_t *ids, *pos, *wslot, *wcol;   /* [B, T] */
-    const int32_t *paths;                      /* [B, T, P] scratch node ids, -1 padded */
+    int32_t batch, rows, path_len, num_logits, threads, pad_;
+    const int32_t *row_start;                  /* [B + 1] the nodes of row b are row_start[b] .. row_start[b+1]
+                                                  (rows are ragged: no padding nodes are computed) */
+    const int64_t *ids, *pos, *wslot, *wcol;   /* [N] per node */
+    const int32_t *paths;                      /* [N, P] scratch node ids, -1 padded */
     const int32_t *ctx, *slots;                /* [B] */
-    const int64_t *index;                      /* [B, R] rows that get logits */
-    float *hidden;                             /* [B, T, H] out: final-norm features */
-    float *logits;                             /* [B, R, V] out */
+    const int64_t *logit_rows;                 /* [L] nodes that get logits */
+    float *hidden;                             /* [N, H] out: final-norm features */
+    float *logits;                             /* [L, V] out */
 } sd_step;
 
 static void *xalloc(size_t n) {
@@ -559,12 +561,17 @@ static void *xalloc(size_t n) {
 }
 
 int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
-    const int rows = s->batch * s->tokens, h = m->hidden, d = m->head_dim;
+    const int rows = s->rows, h = m->hidden, d = m->head_dim;
     const int hq = m->num_heads, hkv = m->num_kv_heads, inter = m->inter;
     const int nqkv = (hq + 2 * hkv) * d;
     int kmax = h > hq * d ? h : hq * d;
     kmax = inter > kmax ? inter : kmax;
-    const int nrows_logits = s->batch * s->num_index;
+    const int nrows_logits = s->num_logits;
+    int max_tokens = 0;
+    for (int b = 0; b < s->batch; b++) {
+        int n = s->row_start[b + 1] - s->row_start[b];
+        max_tokens = n > max_tokens ? n : max_tokens;
+    }
     const int arows = rows > nrows_logits ? rows : nrows_logits;
     int max_ctx = 0;
     for (int b = 0; b < s->batch; b++) max_ctx = s->ctx[b] > max_ctx ? s->ctx[b] : max_ctx;
@@ -578,7 +585,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     float *act = xalloc(sizeof(float) * (size_t)rows * inter);
     /* attention work per thread: scores [T, spad], accumulators [T, 2, D], queries [T, D] */
     const int spad = (max_ctx + s->path_len + 7) & ~7;
-    const size_t work_len = (size_t)s->tokens * spad + 16 + (size_t)s->tokens * (3 * MAX_HEAD_DIM + 2);
+    const size_t work_len = (size_t)max_tokens * spad + 16 + (size_t)max_tokens * (3 * MAX_HEAD_DIM + 2);
     float *work = xalloc(sizeof(float) * work_len * threads);
     uint16_t *zero_col = xalloc(sizeof(uint16_t) * MAX_HEAD_DIM);
     act_q a = {xalloc((size_t)arows * kmax), xalloc(sizeof(float) * (size_t)arows * kmax / QBLOCK),
@@ -618,9 +625,11 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
 #pragma omp for schedule(dynamic, 1)
                 for (int task = 0; task < s->batch * hq; task++) {   /* one query head of one row's nodes */
                     int b = task / hq, qi = task % hq;
-                    size_t r0 = (size_t)b * s->tokens;
-                    attend_row(m, c, l, s->slots[b], s->ctx[b], s->paths + r0 * s->path_len, s->path_len,
-                               s->tokens, qi, qkv + r0 * nqkv, nqkv, att + r0 * hq * d, hq * d, my_work, zero_col);
+                    size_t r0 = (size_t)s->row_start[b];
+                    int n = s->row_start[b + 1] - s->row_start[b];
+                    if (n > 0)
+                        attend_row(m, c, l, s->slots[b], s->ctx[b], s->paths + r0 * s->path_len, s->path_len,
+                                   n, qi, qkv + r0 * nqkv, nqkv, att + r0 * hq * d, hq * d, my_work, zero_col);
                 }
                 my.k = hq * d;
                 quantize_rows(att, rows, hq * d, &my);
@@ -637,9 +646,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
             rmsnorm_rows(x, rows, h, m->norm, m->eps, s->hidden);
 #pragma omp for schedule(static)
             for (int i = 0; i < nrows_logits; i++) {
-                int b = i / s->num_index;
-                int64_t t = s->index[i];
-                memcpy(hn + (size_t)i * h, s->hidden + ((size_t)b * s->tokens + t) * h, sizeof(float) * h);
+                memcpy(hn + (size_t)i * h, s->hidden + (size_t)s->logit_rows[i] * h, sizeof(float) * h);
             }
             my.k = h;
             quantize_rows(hn, nrows_logits, h, &my);
