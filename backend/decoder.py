@@ -25,6 +25,7 @@ from backend.config import DrafterKind, SpecConfig
 from backend.controller import Controller, FixedController
 from backend.drafters.base import Draft, Drafter
 from backend.kv_cache import PAD_PARENT
+from backend.kv_cache import PAD_PARENT
 from backend.runtime.base import Runtime
 from backend.sampling import PositionNoise, target_token
 from backend.sequence import (Request, RequestLimits, SequenceState, StepOutput, TextState,
@@ -128,7 +129,7 @@ class SpecDecoder:
                                       [len(s.output_ids) for s in seqs])
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
-        self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1)
+        self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1, int((parents != PAD_PARENT).sum()))
         outputs = []
         for b, (s, d, v) in enumerate(zip(seqs, drafts, verdicts)):
             drafter = self.drafters.get(s.drafter)

@@ -327,3 +327,19 @@ def test_previews_are_scored_to_their_full_depth_whatever_was_drafted():
         c.budgets([s], [chain])
         c.observe(s, D, V)
     assert c.chains.alphas(s)[3] < deep
+
+
+def test_a_ragged_engine_prices_each_rows_own_nodes():
+    """On an engine that computes only each row's real nodes (the native CPU engine), one row
+    of 16 with a match pays for its own nodes only, not for 16 rows padded to its width: it
+    drafts where a padded engine stays plain; with no match anywhere both stay plain."""
+    seconds = [0.030 + 0.003 * m for m in GRID]
+    padded, ragged = CostModel(GRID, seconds), CostModel(GRID, seconds)
+    ragged.ragged = True
+    previews = [[7] * 8] + [[]] * 15
+    for cost, drafts in ((padded, False), (ragged, True)):
+        c, seqs = controller(cost, alpha=0.9, n=16)
+        assert (c.budgets(seqs, previews)[0] > 0) is drafts
+        assert c.budgets(seqs, [[]] * 16) == [0] * 16
+    assert ragged.verify(16, 9, nodes=24) < padded.verify(16, 9)
+    assert ragged.verify(16, 9) == padded.verify(16, 9)          # without a node count: padded

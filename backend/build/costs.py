@@ -138,6 +138,7 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
     shapes = [_Shape(rt, 1, m, context, 20_000 + 10 * i) for i, m in enumerate(GRID)]
     shapes.append(_Shape(rt, 4, 1, context, 30_000))
     *seconds, batched = _time_round_robin(shapes, reps)
+    ragged = rt.ragged
     rt.close()
     single4 = float(np.interp(4, GRID, seconds))
     per_seq = max(0.0, (batched - single4) / 3)
@@ -157,4 +158,4 @@ def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int =
         draft_step["medusa"] = _time_medusa(manifest, reps)
     return {"tokens": list(GRID), "seconds": [round(s, 6) for s in seconds],
             "per_seq_s": round(per_seq, 6), "draft_step_s": draft_step,
-            "catch_up_s": {k: round(c, 8) for k, c in catch_up.items()}, "context": context}
+            "catch_up_s": {k: round(c, 8) for k, c in catch_up.items()}, "context": context, "ragged": ragged}

@@ -29,8 +29,8 @@ class Controller(Protocol):
     def observe(self, seq: SequenceState, draft, verdict) -> None:
         """A row's step: what was drafted (Draft) and what verification kept (TreeVerdict)."""
 
-    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
-        """A whole step: batch rows x width tokens, its draft and verify seconds."""
+    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float, nodes: int | None = None) -> None:
+        """A whole step: batch rows x width tokens (`nodes` of them real), its draft and verify seconds."""
 
     def corrections(self) -> dict[str, float]:
         """Named live / build-time cost ratios, for metrics."""
@@ -54,7 +54,7 @@ class FixedController:
     def observe(self, seq, draft, verdict) -> None:
         return None
 
-    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
+    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float, nodes: int | None = None) -> None:
         return None
 
     def corrections(self) -> dict[str, float]:

@@ -60,8 +60,8 @@ class AdaptiveController:
             return self.trees.expected(seq, size, self._now) if size else 1.0
         return float(self.chains.curve(seq)[min(k, self.max_k)])
 
-    def verify_cost(self, batch: int, width: int) -> float:
-        return self.correction.verify_cost(batch, width, self._now)
+    def verify_cost(self, batch: int, width: int, nodes: float | None = None) -> float:
+        return self.correction.verify_cost(batch, width, self._now, nodes)
 
     def _draft_cost(self, kinds: set, batch: int, k: int) -> float:
         """The build-time model's draft time (uncorrected)."""
@@ -112,7 +112,11 @@ class AdaptiveController:
                 break
             tokens = (plain_rows + chain_tokens[min(k, self.max_k)]
                       + sum(self.expected_tokens(s, k) for s in trees))
-            cost = self.verify_cost(batch, k + 1)
+            # a ragged engine computes each row's own nodes: a row without a match costs one
+            nodes = (plain_rows + sum(1 + min(k, self.traits[s.drafter].max_budget, k if a is None else a)
+                                      for s, a in chains)
+                     + sum(1 + tree_size(min(k, self.traits[s.drafter].max_budget)) for s in trees))
+            cost = self.verify_cost(batch, k + 1, nodes)
             if k:
                 cost += (self._draft_cost(kinds, batch, k) + catch_up) * draft_ratio
             rate = tokens / (plain_cost + (1 + self.caution) * (cost - plain_cost))
@@ -133,9 +137,9 @@ class AdaptiveController:
             return
         self.chains.observe(seq, depth, verdict.num_accepted, verdict.output_ids)
 
-    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float) -> None:
+    def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float, nodes: int | None = None) -> None:
         self._now += 1
-        self.correction.observe(batch, width, draft_s, verify_s, self._predicted_draft, self._now)
+        self.correction.observe(batch, width, draft_s, verify_s, self._predicted_draft, self._now, nodes)
 
     def forget(self, seq: SequenceState) -> None:
         self.catch_up.end_run(seq)

@@ -36,9 +36,11 @@ class CostModel:
     per_seq_s: float = 0.0             # extra time per additional sequence in a batch
     draft_step_s: dict[str, float] = field(default_factory=dict)   # cost key -> s per draft forward
     catch_up_s: dict[str, float] = field(default_factory=dict)     # cost key -> s per backlog token
+    ragged: bool = False               # the target computes each row's own nodes only (padding free)
 
-    def verify(self, b: int, t: int) -> float:
-        m = b * t
+    def verify(self, b: int, t: int, nodes: float | None = None) -> float:
+        """b rows x t tokens; on a ragged engine, `nodes` real nodes in all (default b * t)."""
+        m = nodes if self.ragged and nodes is not None else b * t
         return float(np.interp(m, self.tokens, self.seconds, right=None)
                      if m <= self.tokens[-1] else
                      self.seconds[-1] * m / self.tokens[-1]) + self.per_seq_s * (b - 1)
@@ -66,12 +68,12 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "seconds": self.seconds, "per_seq_s": self.per_seq_s,
-                "draft_step_s": self.draft_step_s, "catch_up_s": self.catch_up_s}
+                "draft_step_s": self.draft_step_s, "catch_up_s": self.catch_up_s, "ragged": self.ragged}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
         return cls(list(d["tokens"]), list(d["seconds"]), float(d.get("per_seq_s", 0.0)),
-                   dict(d.get("draft_step_s", {})), dict(d.get("catch_up_s", {})))
+                   dict(d.get("draft_step_s", {})), dict(d.get("catch_up_s", {})), bool(d.get("ragged", False)))
 
 
 WIDTH_BUCKETS = (1, 5, 9, 13, 10 ** 9)   # verify widths 1 | 2-5 | 6-9 | 10-13 | 14+
@@ -99,9 +101,9 @@ class CostCorrection:
         self._draft = [DecayedRatio() for _ in BATCH_BUCKETS]
         self._pending: dict[int, list] = {}    # batch band -> [width band, s, predicted s, steps]
 
-    def verify_cost(self, batch: int, width: int, now: int) -> float:
-        """Predicted seconds of a verify of `batch` rows x `width` tokens, corrected."""
-        return self.cost.verify(batch, width) * self.verify_ratio(batch, width, now)
+    def verify_cost(self, batch: int, width: int, now: int, nodes: float | None = None) -> float:
+        """Predicted seconds of a verify of `batch` rows x `width` tokens (`nodes` real ones), corrected."""
+        return self.cost.verify(batch, width, nodes) * self.verify_ratio(batch, width, now)
 
     def verify_ratio(self, batch: int, width: int, now: int) -> float:
         # a speculative band with few observations leans on the plain ratio of its batch band
@@ -117,7 +119,7 @@ class CostCorrection:
         return self._draft[i].value(now, prior)
 
     def observe(self, batch: int, width: int, draft_s: float, verify_s: float,
-                predicted_draft_s: float, now: int) -> None:
+                predicted_draft_s: float, now: int, nodes: int | None = None) -> None:
         """One verify of `batch` rows x `width` tokens took verify_s (forward + acceptance +
         commit), and its drafting draft_s against predicted_draft_s.
 
@@ -129,7 +131,7 @@ class CostCorrection:
         step where it cost 3.2x. So a plain step's excess over a clean plain step, for SETTLE
         steps after a speculative step of its batch band, is charged to that speculative step,
         and the plain ratio learns from clean steps only."""
-        predicted = self.cost.verify(batch, width)
+        predicted = self.cost.verify(batch, width, nodes)
         if predicted <= 0 or verify_s <= 0:
             return
         bi = _band(BATCH_BUCKETS, batch)

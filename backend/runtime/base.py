@@ -81,6 +81,7 @@ class Runtime(Protocol):
     config: ModelConfig
     num_layers: int
     max_seq_len: int
+    ragged: bool             # a forward computes each row's own nodes only (padding costs nothing)
 
     def alloc(self, seq_id: int) -> None: ...
 

@@ -79,6 +79,7 @@ def _host(a) -> np.ndarray:
 
 
 class EngineRuntime(SlotSequences):
+    ragged = False
     def __init__(self, executor, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions()):
         self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len

@@ -132,6 +132,7 @@ class _Grow:
 
 
 class NativeRuntime(SlotSequences):
+    ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions()):
         from backend.runtime.ort import default_threads

@@ -150,6 +150,7 @@ class _Storage:
 
 
 class OrtRuntime:
+    ragged = False
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int,
                  max_seq_len: int, options: RuntimeOptions = RuntimeOptions(),
                  pad_single_token: bool = False):

@@ -36,6 +36,7 @@ def _bucket(n: int, sizes: tuple) -> int | None:
 
 
 class TorchRuntime(SlotSequences):
+    ragged = False
     def __init__(self, engine_path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,
                  tensors: dict | None = None, dtype: torch.dtype | None = None):

@@ -19,6 +19,7 @@ def toy_config(vocab: int, hidden: int = 8) -> ModelConfig:
 
 
 class ToyRuntime:
+    ragged = False
     def __init__(self, vocab: int = 8, order: int = 2, seed: int = 0, scale: float = 2.0,
                  max_seq_len: int = 4096, hidden: int = 8):
         self.config = toy_config(vocab, hidden)
