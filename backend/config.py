@@ -96,7 +96,7 @@ class RuntimeOptions:
 
     threads: int | None = None              # CPU threads (None: SPECDEC_THREADS or min(2, cores))
     spinning: bool = True                   # CPU threads spin between forwards
-    max_sequences: int | None = None        # torch runtime: KV slots (None: 64 on a GPU, 16 on CPU)
+    max_sequences: int | None = None        # KV slots of the torch and native runtimes (None: 64; torch on CPU 16)
     cuda_graphs: bool = True                # torch runtime on a GPU: replay the decode step
 
 

@@ -173,6 +173,15 @@ def assert_greedy_identity(dec, kind) -> None:
     assert dec.stats.num_draft_tokens > 0
 
 
+def spec_decoder(manifest, weight_format: str, **spec):
+    """A decoder over `manifest`'s engine in `weight_format` (6 KV slots), speculation per `spec`."""
+    from backend.config import RuntimeOptions, ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+
+    return make_decoder(ServeConfig(engine_dir=str(manifest.root), weight_format=weight_format,
+                                    spec=SpecConfig(**spec), runtime=RuntimeOptions(max_sequences=6)))
+
+
 def assert_seeded_sampling_matches_plain(dec) -> None:
     """A seeded sampled request drafted by a draft model or an EAGLE head, in a batch with
     another, gives the tokens of plain seeded sampling."""

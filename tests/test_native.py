@@ -5,9 +5,8 @@ runtime passes (greedy identity for each drafter, seeded sampling equal to plain
 import numpy as np
 import pytest
 
-from backend.config import RuntimeOptions, ServeConfig, SpecConfig
 from backend.manifest import Device, WeightFormat
-from conftest import assert_greedy_identity, assert_seeded_sampling_matches_plain, chain, tiny_with_head
+from conftest import assert_greedy_identity, assert_seeded_sampling_matches_plain, chain, spec_decoder, tiny_with_head
 
 native = pytest.importorskip("backend.runtime.native")
 
@@ -68,10 +67,7 @@ def test_build_logits_and_invariance(tiny):
 
 
 def decoder(m, **spec):
-    from backend.engine import make_decoder
-
-    return make_decoder(ServeConfig(engine_dir=str(m.root), weight_format="gguf", spec=SpecConfig(**spec),
-                                    runtime=RuntimeOptions(max_sequences=6)))
+    return spec_decoder(m, "gguf", **spec)
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])

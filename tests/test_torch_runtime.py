@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig
+from backend.config import DrafterKind, SamplingParams
 from backend.manifest import Device, EngineManifest, WeightFormat
 from backend.sequence import Request
 from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity,  # noqa: E402
                       assert_seeded_sampling_matches_plain, assert_serves_like_offline, chain,
-                      tiny_with_head)
+                      spec_decoder, tiny_with_head)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -47,10 +47,7 @@ def test_build_logits_invariance_and_repository(tiny):
 
 
 def decoder(m, **spec):
-    from backend.engine import make_decoder
-
-    return make_decoder(ServeConfig(engine_dir=str(m.root), weight_format="fp32", spec=SpecConfig(**spec),
-                                    runtime=RuntimeOptions(max_sequences=6)))
+    return spec_decoder(m, "fp32", **spec)
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])

@@ -20,11 +20,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
-from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
 from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
                       assert_serves_like_offline, chain, device_env, make_tiny_checkpoint,
-                      tiny_with_head)
+                      spec_decoder, tiny_with_head)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,10 +83,7 @@ def test_engine_runtime_logits_and_invariance(tiny):
 
 
 def decoder(m, **spec):
-    from backend.engine import make_decoder
-
-    return make_decoder(ServeConfig(engine_dir=str(m.root), weight_format="fp32", spec=SpecConfig(**spec),
-                                    runtime=RuntimeOptions(max_sequences=6)))
+    return spec_decoder(m, "fp32", **spec)
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])

@@ -24,6 +24,7 @@ from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
+from backend.runtime.ort import Grow, default_threads     # output buffers; the shared thread count
 
 _P = ctypes.c_void_p
 _I32, _I64, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -118,25 +119,10 @@ class NativeModel:
         self.num_layers = n
 
 
-class _Grow:
-    """A float32 buffer reused across forwards (outputs are valid until the next forward)."""
-
-    def __init__(self):
-        self.flat = np.empty(0, np.float32)
-
-    def view(self, shape) -> np.ndarray:
-        n = int(np.prod(shape))
-        if self.flat.size < n:
-            self.flat = np.empty(n + n // 4, np.float32)
-        return self.flat[:n].reshape(shape)
-
-
 class NativeRuntime(SlotSequences):
     ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions()):
-        from backend.runtime.ort import default_threads
-
         self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len
         self.lib = library()
         self.model = NativeModel(engine_path, config, num_layers)
@@ -147,7 +133,7 @@ class NativeRuntime(SlotSequences):
                                config.head_dim), np.float16)
         self._cache = _Cache(self.cache.ctypes.data, self.capacity + 1, self.columns)
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
-        self._logits, self._hidden, self._packed, self._packed_logits = _Grow(), _Grow(), _Grow(), _Grow()
+        self._logits, self._hidden, self._packed, self._packed_logits = Grow(), Grow(), Grow(), Grow()
         self._lock = threading.Lock()      # one forward at a time; state is not thread safe
 
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,

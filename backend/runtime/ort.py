@@ -82,7 +82,7 @@ def shared_sessions():
         _SHARED = outer
 
 
-class _Grow:
+class Grow:
     """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost,
     unless `keep`: then the old prefix is copied, which keeps leading rows of a row-major view)."""
 
@@ -106,7 +106,7 @@ class _PingPong:
     [B, Hkv, L, D], and the forward's present is written into views of the other buffers."""
 
     def __init__(self, num_arrays: int):
-        self.store = [(_Grow(), _Grow()) for _ in range(num_arrays)]
+        self.store = [(Grow(), Grow()) for _ in range(num_arrays)]
         self.cur = 0
         self.kv: list[np.ndarray] = []
 
@@ -171,8 +171,8 @@ class OrtRuntime:
                 _SHARED[key] = self.session
         self._io = self.session.io_binding()
         self.groups = KVGroups(_Storage(2 * num_layers, config.num_kv_heads, config.head_dim))
-        self._logits = _Grow()
-        self._hidden = _Grow()
+        self._logits = Grow()
+        self._hidden = Grow()
         self._lock = threading.Lock()   # one forward at a time; state is not thread safe
         self._kv_shape = (config.num_kv_heads, config.head_dim)
 
