@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from backend.build.pipeline import BuildConfig, build
+from backend.manifest import WeightFormat
 from conftest import chain, make_tiny_checkpoint, random_head
 
 torch = pytest.importorskip("torch")
@@ -14,9 +15,10 @@ torch = pytest.importorskip("torch")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     ckpt = make_tiny_checkpoint(d / "ckpt")
-    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False))
+    onnx = (WeightFormat.FP32, WeightFormat.Q4)      # the ONNX head export (the native one: test_native)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False, weights=onnx))
     head = random_head(m, d / "head", vocab_size=128)
-    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False,
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False, weights=onnx,
                           drafts=(f"eagle:{head}",)))
     return m, head
 

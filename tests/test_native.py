@@ -2,6 +2,8 @@
 kernel against its numpy reference, row invariance by construction, a tiny build's logits
 against transformers, batch invariance measured by the build, and the losslessness tests every
 runtime passes (greedy identity for each drafter, seeded sampling equal to plain sampling)."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -107,3 +109,32 @@ def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):
         assert np.array_equal(out.logits[r, :n], logits) and np.array_equal(out.hidden[r, :n], hidden), r
     assert not out.logits[1, 2:].any() and not out.hidden[1, 2:].any()
     rt.close()
+
+
+def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_path):
+    """With gguf serving, the build puts the EAGLE head on the native kernel too (Q8_0 blocks,
+    int8 activations): its draft-vocabulary argmax agrees with the float ONNX head's."""
+    from dataclasses import replace
+
+    from backend.build.checkpoint import load_checkpoint
+    from backend.drafters.eagle_export import export_eagle_head
+    from backend.runtime import load_runtime
+    from backend.runtime.ort import OrtRuntime
+
+    m, ckpt, _ = tiny
+    d = m.drafts["eagle"]
+    assert d.extra["weights"] == "gguf" and d.path.endswith(".bin")
+    path, _ = export_eagle_head(Path(d.source), load_checkpoint(ckpt), tmp_path, m.max_seq_len)
+    cfg = replace(m.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+    rng = np.random.default_rng(2)
+    t = 17
+    toks = rng.integers(3, m.model.vocab_size, (1, t))
+    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
+    outs = []
+    for rt in (load_runtime(m, engine="eagle"), OrtRuntime(path, cfg, 1, m.max_seq_len)):
+        rt.alloc(0)
+        outs.append(rt.forward([0], toks, chain(t), np.arange(t)[None], {"features": feats}).logits[0].copy())
+        rt.close()
+    native, onnx = outs
+    assert (native.argmax(-1) == onnx.argmax(-1)).mean() >= 0.8
+    assert np.abs(native - onnx).max() <= 0.1 * np.abs(onnx).max()

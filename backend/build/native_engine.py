@@ -101,13 +101,18 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
     f32 = lambda a: ("f32", np.ascontiguousarray(a, np.float32), 0, 0)
     cos, sin = rope_tables(cfg, max_seq)
     tensors["rope_cos"], tensors["rope_sin"] = f32(cos), f32(sin)
-    tensors["norm"] = f32(ck.tensor("norm").float32())
+    if "norm" in ck.tensors:                  # an EAGLE-1/2 head has none
+        tensors["norm"] = f32(ck.tensor("norm").float32())
     tensors["embed"] = _matrix([ck.tensor("embed")])
+    if "fc" in ck.tensors:                    # an EAGLE head: x = fc([embedding, feature]) + bias
+        tensors["fc"] = _matrix([ck.tensor("fc")])
+        tensors["fc_bias"] = f32(ck.tensor("fc_bias").float32())
     if "lm_head" in ck.tensors:
         tensors["lm_head"] = _matrix([ck.tensor("lm_head")])
     for i in range(num_layers):
         t = lambda n: ck.tensor(f"layers.{i}.{n}")
-        tensors[f"layers.{i}.attn_norm"] = f32(t("attn_norm").float32())
+        if f"layers.{i}.attn_norm" in ck.tensors:
+            tensors[f"layers.{i}.attn_norm"] = f32(t("attn_norm").float32())
         tensors[f"layers.{i}.mlp_norm"] = f32(t("mlp_norm").float32())
         tensors[f"layers.{i}.qkv"] = _matrix([t("q"), t("k"), t("v")])
         tensors[f"layers.{i}.o"] = _matrix([t("o")])

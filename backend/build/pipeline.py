@@ -278,6 +278,15 @@ def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool,
         from backend.drafters.eagle_export import export_eagle_head
 
         head = drafts_mod.head_dir(spec)
+        if serving.weights is WeightFormat.GGUF:      # the head on the native kernel too (perf-notes §12)
+            from backend.build.native_engine import export_native
+            from backend.drafters.eagle_export import head_checkpoint
+
+            hck, vocab = head_checkpoint(head, target)
+            ef = export_native(hck, 1, max_seq, engine_dir / "draft_eagle.bin")
+            entry = drafts_mod.eagle_entry(head, engine_dir, ef.path, vocab, weights=ef.weights.value)
+            log(f"EAGLE head from {head} -> {ef.path}, native (draft vocabulary {entry.extra['draft_vocab_size']})")
+            return "eagle", entry
         path, vocab = export_eagle_head(head, target, engine_dir, max_seq)
         entry = drafts_mod.eagle_entry(head, engine_dir, path.name, vocab)
         log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.extra['draft_vocab_size']})")

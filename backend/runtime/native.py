@@ -43,7 +43,8 @@ class _Model(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
                                     "head_dim", "vocab", "max_pos")] + \
                [("eps", _F32), ("scale", _F32), ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
-                ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer))]
+                ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
+                ("fc", _Matrix), ("fc_bias", _P)]
 
 
 class _Cache(ctypes.Structure):
@@ -53,7 +54,7 @@ class _Cache(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("batch", "rows", "path_len", "num_logits", "threads", "pad_")] + \
                [(n, _P) for n in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
-                                  "logit_rows", "hidden", "logits")]
+                                  "logit_rows", "features", "hidden", "logits")]
 
 
 _LIB = None
@@ -104,18 +105,22 @@ class NativeModel:
         header, t = read_native(path)
         self.header, self.tensors = header, t
         assert num_layers <= header["num_layers"], (num_layers, header["num_layers"])   # a self-draft: the first N
-        mat = lambda name: _Matrix(_ptr(t[name]), KINDS[header["tensors"][name]["kind"]],
-                                   header["tensors"][name]["rows"], header["tensors"][name]["cols"], 0)
+        mat = lambda name: (_Matrix(_ptr(t[name]), KINDS[header["tensors"][name]["kind"]],
+                                    header["tensors"][name]["rows"], header["tensors"][name]["cols"], 0)
+                            if name in t else _Matrix(None, 0, 0, 0, 0))
         n = num_layers
         self.layers = (_Layer * n)(*[
-            _Layer(_ptr(t[f"layers.{i}.attn_norm"]), _ptr(t[f"layers.{i}.mlp_norm"]),
+            _Layer(_ptr(t.get(f"layers.{i}.attn_norm")), _ptr(t[f"layers.{i}.mlp_norm"]),
                    _ptr(t.get(f"layers.{i}.qkv_bias")), mat(f"layers.{i}.qkv"), mat(f"layers.{i}.o"),
                    mat(f"layers.{i}.gate_up"), mat(f"layers.{i}.down")) for i in range(n)])
         c = config
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
                              c.vocab_size, header["max_positions"], c.rms_norm_eps, 1.0 / float(np.sqrt(c.head_dim)),
-                             _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t["norm"]), mat("embed"),
-                             mat("lm_head" if "lm_head" in t else "embed"), self.layers)
+                             _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
+                             mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
+                             _ptr(t.get("fc_bias")))
+        self.eagle = "fc" in t
+        self.embed_rows = header["tensors"]["embed"]["rows"]     # token ids index the (target's) embedding
         self.num_layers = n
 
 
@@ -141,9 +146,12 @@ class NativeRuntime(SlotSequences):
         b, t = input_ids.shape                                   # [B, T] int64
         assert parents.shape == (b, t) and logits_index.ndim == 2 and logits_index.shape[0] == b, \
             (parents.shape, logits_index.shape)
-        assert not extra_inputs, f"the native engine takes no extra inputs ({sorted(extra_inputs)})"
+        extra = dict(extra_inputs or {})
+        feats = extra.pop("features", None)
+        assert not extra and (feats is not None) == self.model.eagle, \
+            f"inputs {sorted(extra_inputs or {})}: an EAGLE head takes `features` [B, T, H], a decoder nothing else"
         ids = np.ascontiguousarray(input_ids, np.int64)
-        assert ids.min() >= 0 and ids.max() < self.config.vocab_size, (int(ids.min()), int(ids.max()))
+        assert ids.min() >= 0 and ids.max() < self.model.embed_rows, (int(ids.min()), int(ids.max()))
         index = np.ascontiguousarray(logits_index, np.int64)
         assert index.min() >= 0 and index.max() < t, (index.tolist(), t)
         with self._lock:
@@ -166,10 +174,11 @@ class NativeRuntime(SlotSequences):
             arrays = {"row_start": row_start, "ids": ids[real], "pos": host["pos"][real],
                       "wslot": host["wslot"][real], "wcol": host["wcol"][real],
                       "paths": np.ascontiguousarray(host["paths"][real], np.int32), "ctx": host["ctx"],
-                      "slots": host["slots"], "logit_rows": logit_rows}
+                      "slots": host["slots"], "logit_rows": logit_rows,
+                      "features": None if feats is None else np.ascontiguousarray(np.asarray(feats, np.float32)[real])}
             step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, 0,
                          *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
-                                                     "slots", "logit_rows")), _ptr(packed), _ptr(packed_logits))
+                                                     "slots", "logit_rows", "features")), _ptr(packed), _ptr(packed_logits))
             if n:
                 rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
                 if rc != 0:

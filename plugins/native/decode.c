@@ -72,6 +72,8 @@ typedef struct {
     const float *norm;                   /* [H] */
     sd_matrix embed, lm_head;            /* embed: gathered one row per token */
     const sd_layer *layers;
+    sd_matrix fc;                        /* EAGLE head: x = fc([embed(token), feature]) + fc_bias; */
+    const float *fc_bias;                /* fc.data NULL for a plain decoder */
 } sd_model;
 
 typedef struct {                         /* a batch of rows quantized to int8 blocks */
@@ -337,10 +339,15 @@ static void dequant_row(const sd_matrix *w, int n, float *out) {
 
 /* ---- elementwise ------------------------------------------------------------------------- */
 
+/* y = x / rms(x) * w; w NULL: y = x (an EAGLE-1/2 head has no input norm, and no final norm) */
 static void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, float *y) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * h;
+        if (!w) {
+            if (y != x) memcpy(y + (size_t)r * h, xr, sizeof(float) * h);
+            continue;
+        }
         __m256 ss = _mm256_setzero_ps();
         for (int j = 0; j < h; j += 8) {
             __m256 v = _mm256_loadu_ps(xr + j);
@@ -550,6 +557,7 @@ typedef struct {
     const int32_t *paths;                      /* [N, P] scratch node ids, -1 padded */
     const int32_t *ctx, *slots;                /* [B] */
     const int64_t *logit_rows;                 /* [L] nodes that get logits */
+    const float *features;                     /* [N, H] the target's features (EAGLE head), or NULL */
     float *hidden;                             /* [N, H] out: final-norm features */
     float *logits;                             /* [L, V] out */
 } sd_step;
@@ -564,7 +572,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     const int rows = s->rows, h = m->hidden, d = m->head_dim;
     const int hq = m->num_heads, hkv = m->num_kv_heads, inter = m->inter;
     const int nqkv = (hq + 2 * hkv) * d;
-    int kmax = h > hq * d ? h : hq * d;
+    int kmax = 2 * h > hq * d ? 2 * h : hq * d;   /* 2h: an EAGLE head's fc input */
     kmax = inter > kmax ? inter : kmax;
     const int nrows_logits = s->num_logits;
     int max_tokens = 0;
@@ -583,6 +591,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     float *att = xalloc(sizeof(float) * (size_t)rows * hq * d);
     float *gu = xalloc(sizeof(float) * (size_t)rows * 2 * inter);
     float *act = xalloc(sizeof(float) * (size_t)rows * inter);
+    float *cat = m->fc.data ? xalloc(sizeof(float) * (size_t)rows * 2 * h) : NULL;
     /* attention work per thread: scores [T, spad], accumulators [T, 2, D], queries [T, D] */
     const int spad = (max_ctx + s->path_len + 7) & ~7;
     const size_t work_len = (size_t)max_tokens * spad + 16 + (size_t)max_tokens * (3 * MAX_HEAD_DIM + 2);
@@ -590,7 +599,8 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     uint16_t *zero_col = xalloc(sizeof(uint16_t) * MAX_HEAD_DIM);
     act_q a = {xalloc((size_t)arows * kmax), xalloc(sizeof(float) * (size_t)arows * kmax / QBLOCK),
                xalloc(sizeof(int32_t) * (size_t)arows * kmax / QBLOCK), h};
-    int ok = x && hn && qkv && att && gu && act && work && zero_col && a.q && a.d && a.sum;
+    int ok = x && hn && qkv && att && gu && act && work && zero_col && a.q && a.d && a.sum
+             && (!m->fc.data || (cat && s->features));
 
     if (ok) memset(zero_col, 0, sizeof(uint16_t) * MAX_HEAD_DIM);
     if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || inter % QBLOCK || (hq * d) % QBLOCK) ok = 0;
@@ -606,6 +616,16 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
             float *my_work = work + work_len * me;
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) dequant_row(&m->embed, (int)s->ids[r], x + (size_t)r * h);
+            if (m->fc.data) {                       /* EAGLE: fuse each token with its feature */
+#pragma omp for schedule(static)
+                for (int r = 0; r < rows; r++) {
+                    memcpy(cat + (size_t)r * 2 * h, x + (size_t)r * h, sizeof(float) * h);
+                    memcpy(cat + (size_t)r * 2 * h + h, s->features + (size_t)r * h, sizeof(float) * h);
+                }
+                my.k = 2 * h;
+                quantize_rows(cat, rows, 2 * h, &my);
+                matmul(&m->fc, &my, rows, x, h, h, 0, m->fc_bias);
+            }
             for (int l = 0; l < m->num_layers; l++) {
                 const sd_layer *L = &m->layers[l];
                 rmsnorm_rows(x, rows, h, L->attn_norm, m->eps, hn);
@@ -653,7 +673,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
             matmul(&m->lm_head, &my, nrows_logits, s->logits, m->vocab, m->vocab, 0, NULL);
         }
     }
-    free(x); free(hn); free(qkv); free(att); free(gu); free(act); free(work); free(zero_col);
+    free(x); free(hn); free(qkv); free(att); free(gu); free(act); free(work); free(zero_col); free(cat);
     free(a.q); free(a.d); free(a.sum);
     return ok ? 0 : -1;
 }
