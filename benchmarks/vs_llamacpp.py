@@ -61,7 +61,7 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
     speculative decoding with `--drafter auto` on the serving format, as `specdec serve` runs
     them (the embedded default's drafts, the build's cost model)."""
     sys.path.insert(0, str(HERE.parent))
-    from backend.bench.engine_bench import plain_tokens_per_s
+    from backend.bench.engine_bench import greedy_tokens_per_s
     from backend.build.embedded import default_drafts
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.manifest import EngineManifest
@@ -75,11 +75,11 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
     except (FileNotFoundError, ValueError):
         manifest = build(BuildConfig(target=str(gguf_path), output=repo, drafts=default_drafts(), quiet=True))
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
-    by_format = {fmt: plain_tokens_per_s(manifest, fmt, prompts, max_new_tokens)
+    by_format = {fmt: greedy_tokens_per_s(manifest, fmt, prompts, max_new_tokens)
                  for fmt in manifest.engines}
     best = max(by_format, key=lambda f: by_format[f]["tokens_per_s"])
     serving = manifest.default_format.value
-    e2e = {d: plain_tokens_per_s(manifest, serving, prompts, max_new_tokens, decode_only=False, drafter=d)
+    e2e = {d: greedy_tokens_per_s(manifest, serving, prompts, max_new_tokens, decode_only=False, drafter=d)
            for d in ("none", "auto")}
     return {
         "decode_tokens_per_s": by_format[best]["tokens_per_s"],

@@ -68,17 +68,13 @@ def test_build_logits_and_invariance(tiny):
     rt.close()
 
 
-def decoder(m, **spec):
-    return spec_decoder(m, "gguf", **spec)
-
-
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])
 def test_greedy_speculation_is_identical_to_plain(tiny, kind):
-    assert_greedy_identity(decoder(tiny[0], num_draft_tokens=4), kind)
+    assert_greedy_identity(spec_decoder(tiny[0], "gguf", num_draft_tokens=4), kind)
 
 
 def test_seeded_sampling_matches_plain(tiny):
-    assert_seeded_sampling_matches_plain(decoder(tiny[0], num_draft_tokens=3))
+    assert_seeded_sampling_matches_plain(spec_decoder(tiny[0], "gguf", num_draft_tokens=3))
 
 
 def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):

@@ -50,7 +50,7 @@ def _forward_ms(rt, batch: int, context: int, t: int, reps: int) -> float:
     return 1000 * statistics.median(times[2:])
 
 
-def plain_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict], max_new: int,
+def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict], max_new: int,
                        decode_only: bool = True, drafter: str = "none") -> dict:
     """Greedy decoding (EOS ignored) through the same decoder the server uses: plain (drafter
     "none": decode-only tokens/s by default) or speculative with `drafter` ("auto": the
@@ -113,7 +113,7 @@ def run(manifest: EngineManifest, prompts: list[dict], out_json: Path | None, pl
                     print(f"{fmt:5s} B={b:<2d} ctx={ctx:<5d} T={t:<3d} {ms:8.2f} ms", flush=True)
         rt.close()
         invariance[fmt] = measure_invariance(manifest, manifest.engine(fmt))
-        plain[fmt] = plain_tokens_per_s(manifest, fmt, prompts, max_new)
+        plain[fmt] = greedy_tokens_per_s(manifest, fmt, prompts, max_new)
         print(f"{fmt}: plain greedy {plain[fmt]['tokens_per_s']:.1f} tok/s (decode only); "
               f"batch invariance max |diff| = {invariance[fmt]:.3g}", flush=True)
     default = manifest.default_format.value

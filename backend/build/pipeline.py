@@ -16,6 +16,7 @@ from backend.build import drafts as drafts_mod
 from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
 from backend.build.templates import fill_repository
 from backend.manifest import FORMATS, DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
+from backend.runtime import native
 
 ENGINE_SUBDIR = "specdec/engine"     # inside the model repository, shared by all models
 
@@ -55,18 +56,9 @@ def _tool_versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
-    if native_available():
-        from backend.runtime.native import isa
-
-        out["native_kernel"] = isa()          # the instruction set decode.c was compiled for
+    if native.compiled():
+        out["native_kernel"] = native.isa()          # the instruction set decode.c was compiled for
     return out
-
-
-def native_available() -> bool:
-    """Whether the install compiled the native CPU decode step (plugins/native/decode.c)."""
-    import importlib.util
-
-    return importlib.util.find_spec("plugins._native") is not None
 
 
 def default_weights(device: Device) -> tuple[WeightFormat, ...]:
@@ -77,7 +69,7 @@ def default_weights(device: Device) -> tuple[WeightFormat, ...]:
         return (WeightFormat.BF16, WeightFormat.FP8)
     if device is Device.TENSORRT:
         return (WeightFormat.FP8,)
-    lead = (WeightFormat.GGUF,) if native_available() else ()
+    lead = (WeightFormat.GGUF,) if native.compiled() else ()
     return (*lead, WeightFormat.FP32, WeightFormat.Q4)
 
 
@@ -85,7 +77,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
     if cfg.weights is None:
         cfg = replace(cfg, weights=default_weights(cfg.device))
     wrong = [w.value for w in cfg.weights if w not in FORMATS[cfg.device]]
-    if WeightFormat.GGUF in cfg.weights and not native_available():
+    if WeightFormat.GGUF in cfg.weights and not native.compiled():
         raise BuildError("--weights gguf needs the native CPU kernel, which the install did not compile "
                          "(no C compiler with OpenMP?): install gcc and rerun `.venv/bin/pip install -e '.[all]'`, "
                          "or build --weights fp32,q4")
@@ -278,17 +270,10 @@ def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool,
         from backend.drafters.eagle_export import export_eagle_head
 
         head = drafts_mod.head_dir(spec)
-        if serving.weights is WeightFormat.GGUF:      # the head on the native kernel too (perf-notes §12)
-            from backend.build.native_engine import export_native
-            from backend.drafters.eagle_export import head_checkpoint
-
-            hck, vocab = head_checkpoint(head, target)
-            ef = export_native(hck, 1, max_seq, engine_dir / "draft_eagle.bin")
-            entry = drafts_mod.eagle_entry(head, engine_dir, ef.path, vocab, weights=ef.weights.value)
-            log(f"EAGLE head from {head} -> {ef.path}, native (draft vocabulary {entry.extra['draft_vocab_size']})")
-            return "eagle", entry
-        path, vocab = export_eagle_head(head, target, engine_dir, max_seq)
-        entry = drafts_mod.eagle_entry(head, engine_dir, path.name, vocab)
+        native_head = serving.weights is WeightFormat.GGUF     # the head on the serving kernel too
+        path, vocab = export_eagle_head(head, target, engine_dir, max_seq, native=native_head)
+        entry = drafts_mod.eagle_entry(head, engine_dir, path.name, vocab,
+                                       **({"weights": WeightFormat.GGUF.value} if native_head else {}))
         log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.extra['draft_vocab_size']})")
         return "eagle", entry
     dck = drafts_mod.draft_checkpoint(spec, target.config)

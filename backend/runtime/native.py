@@ -60,17 +60,22 @@ class _Step(ctypes.Structure):
 _LIB = None
 
 
+def compiled() -> bool:
+    """Whether the install compiled the decode step (plugins/_native*.so, setup.py)."""
+    spec = importlib.util.find_spec("plugins._native")
+    return spec is not None and spec.origin is not None
+
+
 def library() -> ctypes.CDLL:
-    """The compiled decode step (plugins/_native*.so), built by `pip install -e .` (setup.py)."""
+    """The compiled decode step, loaded once."""
     global _LIB
     if _LIB is None:
-        spec = importlib.util.find_spec("plugins._native")
-        if spec is None or spec.origin is None:
+        if not compiled():
             raise RuntimeError("the native CPU engine is not compiled (plugins/_native*.so missing): "
                                "it needs a C compiler with OpenMP at install time; reinstall with "
                                "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
                                "the fp32 / q4 engines (--weights fp32,q4)")
-        lib = ctypes.CDLL(spec.origin)
+        lib = ctypes.CDLL(importlib.util.find_spec("plugins._native").origin)
         lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step)]
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_isa.restype = ctypes.c_char_p
@@ -171,11 +176,12 @@ class NativeRuntime(SlotSequences):
             packed = hidden.reshape(b * t, -1) if full else self._packed.view((n, self.config.hidden_size))
             packed_logits = (logits.reshape(-1, self.config.vocab_size) if all_logits else
                              self._packed_logits.view((len(logit_rows), self.config.vocab_size)))
-            arrays = {"row_start": row_start, "ids": ids[real], "pos": host["pos"][real],
-                      "wslot": host["wslot"][real], "wcol": host["wcol"][real],
-                      "paths": np.ascontiguousarray(host["paths"][real], np.int32), "ctx": host["ctx"],
+            pick = (lambda a: a.reshape((b * t,) + a.shape[2:])) if full else (lambda a: a[real])   # no copies unpadded
+            arrays = {"row_start": row_start, "ids": pick(ids), "pos": pick(host["pos"]),
+                      "wslot": pick(host["wslot"]), "wcol": pick(host["wcol"]),
+                      "paths": np.ascontiguousarray(pick(host["paths"]), np.int32), "ctx": host["ctx"],
                       "slots": host["slots"], "logit_rows": logit_rows,
-                      "features": None if feats is None else np.ascontiguousarray(np.asarray(feats, np.float32)[real])}
+                      "features": None if feats is None else np.ascontiguousarray(pick(np.asarray(feats, np.float32)))}
             step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, 0,
                          *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
                                                      "slots", "logit_rows", "features")), _ptr(packed), _ptr(packed_logits))
