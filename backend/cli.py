@@ -245,7 +245,8 @@ def cmd_train_draft(args) -> int:
                             val_prompts=args.val_prompts, val_every=args.val_every,
                             init=Path(args.init) if args.init else None,
                             vocab_from=Path(args.vocab_from) if args.vocab_from else None,
-                            own_repeat=args.own_repeat, lr=args.lr, ttt_steps=args.ttt_steps))
+                            own_repeat=args.own_repeat, lr=args.lr, ttt_steps=args.ttt_steps,
+                            eagle3=args.eagle3))
     print(f"draft head written to {out}; build it with: python build_engines.py --draft eagle:{out}")
     return 0
 
@@ -345,6 +346,9 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test passes on own features")
     p.add_argument("--vocab-from", default=None,
                    help="keep this head directory's draft vocabulary instead of choosing one")
+    p.add_argument("--eagle3", action="store_true",
+                   help="an EAGLE-3 head on the target's low, middle and high layer features (needs the gguf or "
+                        "torch engine), written in the EAGLE-3 reference's layout")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_draft)

@@ -91,6 +91,10 @@ class EngineFile:
     batch_invariant: bool | None = None
     pad_single_token: bool = False   # run T=1 steps as T=2 (keeps 4-bit kernels on one path)
     weight_bytes_per_token: int | None = None   # weights one decode step reads (ONNX engines)
+    # EAGLE-3 features: the residual stream entering each of these layers is appended to the
+    # forward's `hidden` output after the final-norm features (vLLM's aux-layer indexing: 0 is
+    # the embedding, j the output of layer j-1); empty unless an EAGLE-3 head was built
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,8 @@ class EngineManifest:
         if d.get("version") != MANIFEST_VERSION:
             raise ValueError(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
                              "rebuild the engines with `specdec build`")
-        engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"])})
+        engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"]),
+                                    "feature_layers": tuple(v.get("feature_layers", ()))})
                    for k, v in d["engines"].items()}
         return cls(
             model=ModelConfig.from_json(d["model"]),

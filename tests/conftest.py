@@ -79,7 +79,7 @@ def prompt_ids(tokenizer, messages) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
-def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2) -> Path:
     """A tiny random-weight Hugging Face checkpoint directory (config, safetensors, tokenizer)."""
     import torch
     import transformers
@@ -99,7 +99,7 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0) -> Path
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "add_bos_token": False}))
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=(arch == "llama"))

@@ -2,8 +2,9 @@
 as the reference implementation publishes it (config.json + model.safetensors or
 pytorch_model.bin, its key names, no input norm in the layer and no final norm): the built
 head's logits equal the reference computation (transformers' Llama layer without its input
-norm, then the target's LM head), and speculation with it is lossless. EAGLE-3 and Medusa
-checkpoints are refused with what they need. Heads are tiny, random, written by the test."""
+norm, then the target's LM head), and speculation with it is lossless. An incomplete EAGLE-3
+checkpoint and Medusa heads are refused saying why (EAGLE-3 heads: test_eagle3.py). Heads are
+tiny, random, written by the test."""
 import json
 
 import numpy as np
@@ -125,7 +126,7 @@ def test_speculation_with_a_published_eagle_head_is_lossless(built):
 
 @pytest.mark.parametrize("keys,match", [({"midlayer.self_attn.q_proj.weight": (8, 8), "d2t": (4,)}, "EAGLE-3"),
                                         ({"0.0.linear.weight": (8, 8), "0.1.weight": (8, 8)}, "Medusa")])
-def test_eagle3_and_medusa_checkpoints_are_refused_saying_why(tmp_path, keys, match):
+def test_incomplete_eagle3_and_medusa_checkpoints_are_refused_saying_why(tmp_path, keys, match):
     from safetensors.torch import save_file
 
     from backend.drafters.head_formats import read_head

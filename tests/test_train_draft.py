@@ -107,3 +107,61 @@ def test_trained_head_builds_and_is_lossless(trained):
                            measure_costs=False, drafts=(f"eagle:{head_dir}",)))
     dec = make_decoder(ServeConfig(engine_dir=str(m2.root), spec=SpecConfig(auto_drafter=DrafterKind.EAGLE)))
     assert_greedy_identity(dec, DrafterKind.EAGLE)
+
+
+@pytest.fixture(scope="module")
+def trained3(tmp_path_factory):
+    """An EAGLE-3 head trained on a tiny 6-layer target served by the native kernel."""
+    from backend.runtime import native
+    from backend.train.eagle_train import TrainConfig, train
+
+    if not native.compiled():
+        pytest.skip("EAGLE-3 features come from the native kernel (not compiled here) or the torch runtime")
+    d = tmp_path_factory.mktemp("train3")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=6, layers=6)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False))
+    cfg = TrainConfig(out=d / "head", engine_dir=m.root, work=d / "work", corpus_tokens=0, num_prompts=6,
+                      max_new_tokens=24, draft_vocab=64, window=32, batch=4, epochs=3, minutes=2.0,
+                      val_prompts=3, val_every=4, eagle3=True)
+    return m, train(cfg), cfg
+
+
+def test_an_eagle3_head_trains_on_three_layers_and_is_written_in_the_reference_layout(trained3):
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.drafters.head_formats import layout, read_head
+    from backend.train.eagle_model import Eagle3Head
+    from backend.train.eagle_train import _load_shards, validate
+
+    m, head_dir, cfg = trained3
+    assert m.default_format.value == "gguf" and layout(head_dir) == "eagle3"
+    conf = json.loads((head_dir / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    val = _load_shards(sorted((cfg.work / "data" / "val_features_eagle3").glob("hidden_*.npz")))
+    assert val[0]["feats"].shape[1] == 4 * m.model.hidden_size            # final norm + three layers' inputs
+    curve, best = conf["training"]["validation_curve"], conf["training"]["validation_best"]
+    assert len(curve) >= 3 and best["score"] == max(v["score"] for v in curve)
+    # the written weights (read back through the published-layout reader) are the best checkpoint's
+    hcfg, w = read_head(head_dir)
+    vocab = w["draft_vocab"]
+    ck = load_checkpoint(m.source)
+    embed = ck.tensor("embed").float32()
+    cos, sin = rope_tables(m.model, m.max_seq_len)
+    model = Eagle3Head(hcfg, embed, ck.tensors.get("lm_head", ck.tensor("embed")).float32()[vocab], cos, sin)
+    model.load_weights(w)
+    again = validate(model.eval(), val, vocab)
+    assert again["positions"] == best["positions"]
+    assert abs(again["acc1"] - best["acc1"]) <= 2.0 / best["positions"]      # fp16 weights
+
+
+def test_a_trained_eagle3_head_builds_and_is_lossless(trained3):
+    from backend.config import DrafterKind, ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+    from conftest import assert_greedy_identity
+
+    m, head_dir, _ = trained3
+    m2 = build(BuildConfig(target=m.source, output=m.root.parents[2] / "repo2", quiet=True,
+                           measure_costs=False, drafts=(f"eagle:{head_dir}",)))
+    assert m2.engine().feature_layers == (2, 3, 3)
+    dec = make_decoder(ServeConfig(engine_dir=str(m2.root), spec=SpecConfig(auto_drafter=DrafterKind.EAGLE)))
+    assert_greedy_identity(dec, DrafterKind.EAGLE)

@@ -87,7 +87,8 @@ def _time_eagle(manifest: EngineManifest, context: int, reps: int, steps: int = 
     spec = SpecConfig()
     drafter = EagleDrafter.from_manifest(manifest, spec)
     rng = np.random.default_rng(0)
-    v, h = manifest.model.vocab_size, manifest.model.hidden_size
+    v = manifest.model.vocab_size
+    h = manifest.model.hidden_size * (1 + len(manifest.engine().feature_layers))   # the target's features
     budget = spec.max_tree_nodes
     first, steady = [], []
     for r in range(reps + 1):                   # the first sequence warms up: not counted

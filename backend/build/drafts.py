@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from backend.build.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from backend.manifest import DraftEntry, ModelConfig
+from backend.manifest import DraftEntry, EngineFile, ModelConfig
 
 EAGLE_VOCAB = "draft_eagle_vocab.npy"
+EAGLE3_FC = "draft_eagle_fc.npy"          # an EAGLE-3 head's fc, run by the drafter (eagle_export.py)
 
 
 def self_layers(spec: str, cfg: ModelConfig) -> int:
@@ -38,10 +39,35 @@ def head_dir(spec: str) -> Path:
 
 def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray, **extra) -> DraftEntry:
     """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved."""
-    from backend.drafters.head_formats import head_meta
+    from backend.drafters.head_formats import read_head
 
+    cfg, w = read_head(head)
+    meta = {k: v for k, v in cfg.items() if k != "training"}
     np.save(Path(engine_dir) / EAGLE_VOCAB, vocab)
-    return DraftEntry("eagle", engine_file, 1, str(head), {**head_meta(head), "vocab_path": EAGLE_VOCAB, **extra})
+    if cfg.get("layout") == "eagle3":
+        np.save(Path(engine_dir) / EAGLE3_FC, np.asarray(w["fc"], np.float32))
+        meta["fc_path"] = EAGLE3_FC
+    return DraftEntry("eagle", engine_file, 1, str(head), {**meta, "vocab_path": EAGLE_VOCAB, **extra})
+
+
+def eagle3_fc(head: Path, target: EngineFile) -> tuple[np.ndarray | None, tuple[int, ...]]:
+    """(an EAGLE-3 head's fc [H, 3H], the target engine's feature layers), or (None, ()) for
+    other heads: what turns the target's features into the head's (drafters/eagle.head_features)."""
+    from backend.drafters.head_formats import read_head
+
+    cfg, w = read_head(head)
+    return (np.asarray(w["fc"], np.float32), target.feature_layers) if cfg.get("layout") == "eagle3" else (None, ())
+
+
+def feature_layers(specs, cfg: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose features the EAGLE-3 heads among `specs` read (the target engines
+    output them: EngineFile.feature_layers); () without one. Two heads must agree."""
+    from backend.drafters.head_formats import feature_layers as head_layers, head_meta
+
+    wanted = {head_layers(head_meta(head_dir(s)), cfg.num_layers) for s in specs if s.startswith("eagle:")} - {()}
+    if len(wanted) > 1:
+        raise ValueError(f"EAGLE-3 heads reading different target layers {sorted(wanted)}: build one of them")
+    return wanted.pop() if wanted else ()
 
 
 def medusa_entry(spec: str, engine_dir: Path, cfg: ModelConfig, log) -> tuple[str, DraftEntry]:

@@ -7,7 +7,8 @@ Inputs (B = sequences, T = new tokens per sequence, P = cached columns, S = P + 
     logits_index   [B, R] int64     which of the T rows get logits (R = 1 for prefill)
     past_key_i / past_value_i  [B, Hkv, P, D] float
 Outputs:
-    logits [B, R, V], hidden [B, T, H] (final-norm features for feature drafters),
+    logits [B, R, V], hidden [B, T, H (1 + len(feature_layers))] (final-norm features for
+        feature drafters, then the residual stream entering each of `feature_layers`: EAGLE-3),
     present_key_i / present_value_i  [B, Hkv, S, D]
 
 Why standard ops rather than com.microsoft.GroupQueryAttention: GQA refuses B > 1 with T > 1
@@ -50,6 +51,7 @@ class GraphSpec:
     plugins: bool = False    # the engine graph: attention and verification as specdec:: nodes
                              # (engine_graph.py), for TensorRT; else standard ops (ONNX Runtime)
     verify: bool = True      # with plugins: the rejection_sample tail (the target's engine)
+    feature_layers: tuple[int, ...] = ()   # EAGLE-3: these layers' inputs appended to `hidden`
 
 
 class _Builder:
@@ -236,15 +238,22 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         inputs.insert(2, helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]))
     outputs = [
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
-        helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h]),
+        helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h * (1 + len(spec.feature_layers))]),
     ]
     embed = ckpt.tensor("embed")
     x = g.op("Gather", [g.init("embed", embed.float32()), "input_ids"], hint="embeds")
+    eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
     if spec.eagle:
-        # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)
         inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
+    if eagle3:
+        # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
+        # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (eagle_export.py)
+        embeds, x = x, "features"
+    elif spec.eagle:
+        # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)
         x = lin(g.op("Concat", [x, "features"], axis=-1), "fc", ckpt.tensor("fc").float32(),
                 ckpt.tensor("fc_bias").float32())
+    aux = {}
     cos_t, sin_t = rope_tables(cfg, spec.max_positions)
     cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
     sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
@@ -266,13 +275,18 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         has = lambda n: f"layers.{i}.{n}" in ckpt.tensors
         past_k, past_v = f"past_key_{i}", f"past_value_{i}"
         pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
+        if i in spec.feature_layers:
+            aux[i] = x
         if not spec.plugins:
             for nm in (past_k, past_v):
                 inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
             for nm in (pres_k, pres_v):
                 outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
 
-        hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
+        if eagle3:
+            hn = g.op("Concat", [rmsnorm(embeds, t("attn_norm")), rmsnorm(x, t("hidden_norm"))], axis=-1)
+        else:
+            hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
         wqkv = _cat([_weight(t("q"), spec.weights, qscale), _weight(t("k"), spec.weights),
                      _weight(t("v"), spec.weights)])
         bqkv = None
@@ -312,9 +326,14 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         if progress is not None:
             progress(1)
 
-    hidden = rmsnorm(x, ckpt.tensor("norm") if "norm" in ckpt.tensors or not spec.eagle else None)
-    g.op("Identity", [hidden], outputs=["hidden"])
-    rows = g.op("GatherND", [hidden, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
+    normed = rmsnorm(x, ckpt.tensor("norm") if "norm" in ckpt.tensors or not spec.eagle else None)
+    if eagle3:                   # an EAGLE-3 head's next-level feature is its pre-norm output
+        g.op("Identity", [x], outputs=["hidden"])
+    elif spec.feature_layers:
+        g.op("Concat", [normed] + [aux[j] for j in spec.feature_layers], axis=-1, outputs=["hidden"])
+    else:
+        g.op("Identity", [normed], outputs=["hidden"])
+    rows = g.op("GatherND", [normed, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
     head = ckpt.tensors.get("lm_head", embed)
     if spec.weights in (WeightFormat.FP32, WeightFormat.FP8):
         head_w = head.float32()

@@ -113,6 +113,8 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
         t = lambda n: ck.tensor(f"layers.{i}.{n}")
         if f"layers.{i}.attn_norm" in ck.tensors:
             tensors[f"layers.{i}.attn_norm"] = f32(t("attn_norm").float32())
+        if f"layers.{i}.hidden_norm" in ck.tensors:          # an EAGLE-3 head's feature norm
+            tensors[f"layers.{i}.hidden_norm"] = f32(t("hidden_norm").float32())
         tensors[f"layers.{i}.mlp_norm"] = f32(t("mlp_norm").float32())
         tensors[f"layers.{i}.qkv"] = _matrix([t("q"), t("k"), t("v")])
         tensors[f"layers.{i}.o"] = _matrix([t("o")])

@@ -114,6 +114,9 @@ def build(cfg: BuildConfig) -> EngineManifest:
     drafts: dict[str, DraftEntry] = dict(drafts_mod.medusa_entry(s, engine_dir, ck.config, log)
                                          for s in cfg.drafts if s.startswith("medusa:"))
     device_drafts = [s for s in cfg.drafts if not s.startswith("medusa:")]    # the rest: per device
+    features = drafts_mod.feature_layers(cfg.drafts, ck.config)    # an EAGLE-3 head's target layers
+    if features:
+        log(f"EAGLE-3 head: the target engines output the inputs of layers {list(features)} as features")
     gpu = None
     default_format = cfg.default_format or cfg.weights[0]
     if cfg.device is Device.CUDA:
@@ -123,7 +126,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
         log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']})" if gpu else
             "no CUDA device: the torch engines are built for this CPU (tests, FP8 quality); "
             "a GPU server needs the build run on its GPU")
-        engines, timings = torch_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
+        engines, timings = torch_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log, features)
         for spec in device_drafts:
             name, entry = torch_engine.build_draft(spec, ck, engines[default_format.value], max_seq, engine_dir, log)
             drafts[name] = entry
@@ -131,7 +134,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
         from backend.build import trt_engine
 
         gpu, missing = trt_engine.environment()
-        engines, timings, act = trt_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log)
+        engines, timings, act = trt_engine.export_all(ck, cfg.weights, max_seq, engine_dir, tok_path, log, features)
         for spec in device_drafts:
             name, entry = trt_engine.build_draft(spec, ck, engines[default_format.value], act, max_seq,
                                                  engine_dir, tok_path, log)
@@ -150,7 +153,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
         for fmt in cfg.weights:
             t0 = time.time()
             engines[fmt.value] = _export(ck, fmt, ck.config.num_layers, max_seq, engine_dir,
-                                         f"target_{fmt.value}", cfg.quiet)
+                                         f"target_{fmt.value}", cfg.quiet, features)
             timings[fmt.value] = time.time() - t0
         for spec in device_drafts:
             name, entry = _build_draft(spec, ck, max_seq, engine_dir, cfg.quiet, log, engines[default_format.value])
@@ -241,19 +244,20 @@ def write_draft_node(repository: Path, kind: str, output: Path) -> Path:
 
 
 def _export(ck, fmt: WeightFormat, num_layers: int, max_seq: int, engine_dir: Path, stem: str,
-            quiet: bool) -> EngineFile:
-    if fmt is WeightFormat.GGUF:
+            quiet: bool, features: tuple[int, ...] = ()) -> EngineFile:
+    if fmt is WeightFormat.GGUF:          # the kernel outputs the feature layers the runtime names
         from backend.build.native_engine import export_native
 
-        return export_native(ck, num_layers, max_seq, engine_dir / f"{stem}.bin")
+        return replace(export_native(ck, num_layers, max_seq, engine_dir / f"{stem}.bin"), feature_layers=features)
     bar = _progress(num_layers, f"export {stem}", quiet)
-    model = build_decoder(ck, GraphSpec(fmt, num_layers, max_seq), progress=bar.update)
+    model = build_decoder(ck, GraphSpec(fmt, num_layers, max_seq, feature_layers=features), progress=bar.update)
     bar.close()
     path = engine_dir / f"{stem}.onnx"
     per_token = weight_bytes_per_token(model)
     size = save_model(model, path)
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=size,
-                      pad_single_token=fmt is WeightFormat.Q4, weight_bytes_per_token=per_token)
+                      pad_single_token=fmt is WeightFormat.Q4, weight_bytes_per_token=per_token,
+                      feature_layers=features)
 
 
 def _build_draft(spec: str, target, max_seq: int, engine_dir: Path, quiet: bool, log, serving: EngineFile):

@@ -11,6 +11,7 @@ serving.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,25 +68,28 @@ def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path,
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size)
 
 
-def _fp32_runtime(ck: Checkpoint, max_seq_len: int, tmp: str):
+def _fp32_runtime(ck: Checkpoint, max_seq_len: int, tmp: str, features: tuple[int, ...] = ()):
     from backend.config import RuntimeOptions
     from backend.runtime.torch_rt import TorchRuntime
 
     n = ck.config.num_layers
     ef = export(ck, WeightFormat.FP32, n, Path(tmp), f"calibrate_{id(ck)}")
-    return TorchRuntime(Path(tmp) / ef.path, ck.config, n, max_seq_len, RuntimeOptions(max_sequences=1), "cpu")
+    return TorchRuntime(Path(tmp) / ef.path, ck.config, n, max_seq_len, RuntimeOptions(max_sequences=1), "cpu",
+                        feature_layers=features)
 
 
 def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin: float = 1.0,
-              head: Checkpoint | None = None) -> dict:
+              head: Checkpoint | None = None, head_fc=None, features: tuple[int, ...] = ()) -> dict:
     """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
     model on `prompts` (token id lists), run on the CPU. With `head` (an EAGLE head as a
     1-layer checkpoint, drafters/eagle_export.head_checkpoint): the head's, run on the target's
-    features of the same prompts, as it drafts (x_{t+1} with the feature of x_t)."""
+    features of the same prompts, as it drafts (x_{t+1} with the feature of x_t; an EAGLE-3 head:
+    its fc `head_fc` over the target's `features` layers, drafters/eagle.head_features)."""
+    from backend.drafters.eagle import head_features
     from backend.runtime.torch_model import FP8_MAX
 
     with tempfile.TemporaryDirectory() as tmp:
-        rt = _fp32_runtime(ck, max_seq_len, tmp)
+        rt = _fp32_runtime(ck, max_seq_len, tmp, features)
         probe = _fp32_runtime(head, max_seq_len, tmp) if head is not None else rt
     linears = probe.model.linears()
     for lin in linears.values():
@@ -95,7 +99,7 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
         rt.alloc(i)
         out = rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
         if head is not None:
-            feats = out.hidden[0, :-1].copy()
+            feats = head_features(out.hidden[0, :-1], ck.config.hidden_size, head_fc)
             probe.alloc(i)
             probe.forward([i], ids[None, 1:], np.arange(-1, ids.size - 2, dtype=np.int32)[None],
                           np.array([[ids.size - 2]]), {"features": feats[None]})
@@ -115,8 +119,10 @@ def calibration_prompts(tokenizer, n: int = 24, max_tokens: int = 384) -> list[l
             for m in build_prompts(n, seed=1)]
 
 
-def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log):
-    """The target in every format (FP8 calibrated first) -> ({format: EngineFile}, {format: s})."""
+def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
+               features: tuple[int, ...] = ()):
+    """The target in every format (FP8 calibrated first) -> ({format: EngineFile}, {format: s});
+    `features`: EAGLE-3's layers, which the torch runtime outputs (EngineFile.feature_layers)."""
     import time
 
     from backend.tokenizer import Tokenizer
@@ -132,7 +138,8 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
     engines, timings = {}, {}
     for fmt in formats:
         t0 = time.time()
-        engines[fmt.value] = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act)
+        engines[fmt.value] = replace(export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act),
+                                     feature_layers=features)
         timings[fmt.value] = time.time() - t0
     return engines, timings
 

@@ -53,10 +53,11 @@ def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: di
     per_token = weight_bytes_per_token(model)
     size = save_model(model, path)
     return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size,
-                      weight_bytes_per_token=per_token)
+                      weight_bytes_per_token=per_token, feature_layers=spec.feature_layers)
 
 
-def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None) -> dict:
+def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None,
+               head_fc=None, features: tuple[int, ...] = ()) -> dict:
     from backend.build.torch_engine import calibrate, calibration_prompts
     from backend.tokenizer import Tokenizer
 
@@ -64,19 +65,21 @@ def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head
     tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids, ck.config.bos_token_id,
                     ck.tokenizer.add_bos_token)
     prompts = calibration_prompts(tok)
-    act = calibrate(ck, prompts, max_seq_len, head=head)
+    act = calibrate(ck, prompts, max_seq_len, head=head, head_fc=head_fc, features=features)
     log(f"FP8 activation scales of {(head or ck).source} calibrated on {len(prompts)} prompts in "
         f"{time.time() - t0:.1f}s")
     return act
 
 
-def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log):
-    """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 scales)."""
+def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
+               features: tuple[int, ...] = ()):
+    """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 scales);
+    `features`: EAGLE-3's layers (GraphSpec.feature_layers)."""
     act = _calibrate(ck, max_seq_len, tokenizer_json, log) if WeightFormat.FP8 in formats else None
     engines, timings = {}, {}
     for fmt in formats:
         t0 = time.time()
-        spec = GraphSpec(fmt, ck.config.num_layers, max_seq_len, plugins=True)
+        spec = GraphSpec(fmt, ck.config.num_layers, max_seq_len, plugins=True, feature_layers=features)
         engines[fmt.value] = _write(ck, spec, engine_dir, f"target_{fmt.value}", act)
         timings[fmt.value] = time.time() - t0
     return engines, timings, act
@@ -85,7 +88,7 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
 def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None, max_seq_len: int,
                 engine_dir: Path, tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
     """--draft as an engine graph without the verification tail, in the target's format."""
-    from backend.build.drafts import draft_checkpoint, eagle_entry, head_dir, self_layers
+    from backend.build.drafts import draft_checkpoint, eagle3_fc, eagle_entry, head_dir, self_layers
 
     fmt = target.weights
     if spec.startswith("self:"):
@@ -99,7 +102,8 @@ def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None,
 
         head = head_dir(spec)
         hck, vocab = head_checkpoint(head, ck)
-        hact = _calibrate(ck, max_seq_len, tokenizer_json, log, head=hck) if fmt is WeightFormat.FP8 else None
+        hact = (_calibrate(ck, max_seq_len, tokenizer_json, log, hck, *eagle3_fc(head, target))
+                if fmt is WeightFormat.FP8 else None)
         ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
                     f"draft_eagle_{fmt.value}", hact)
         log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")

@@ -11,6 +11,9 @@ with its own KV cache. Per step and sequence:
      shrink) as the tree the target verifies. The head's scratch KV is then dropped.
 Drafts are deterministic (q = point masses), so verification is lossless for every sampling
 parameter. The head's vocabulary is a subset of the target's (FR-Spec); `vocab` maps it back.
+An EAGLE-3 head (Li et al. 2025, arXiv:2503.01840) reads the target's low, middle and high layer
+features through its fc (`head_features`, here on the host: the head engine takes H-wide
+features, and its own outputs skip the fc); its tree search is the same.
 """
 from __future__ import annotations
 
@@ -35,6 +38,16 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, -1)
 
 
+def head_features(hidden: np.ndarray, hidden_size: int, fc: np.ndarray | None) -> np.ndarray:
+    """Target features [n, W] (the forward's `hidden`) -> the head's input features [n, H]: the
+    final-norm part (EAGLE-1/2), or an EAGLE-3 head's fc [H, 3H] over the layer features that
+    follow it (EngineFile.feature_layers)."""
+    if fc is None:
+        return np.ascontiguousarray(hidden[:, :hidden_size], np.float32)
+    assert hidden.shape[1] == hidden_size + fc.shape[1], (hidden.shape, fc.shape)
+    return np.asarray(hidden[:, hidden_size:], np.float32) @ fc.T
+
+
 def level_gate(cost_model: dict | None) -> float:
     """The confidence gate from the measured costs: one more tree level costs a head forward and
     adds at most one accepted token (worth a plain step) with the probability of the best
@@ -51,11 +64,12 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12,
-                 level_gate: float = 0.0):
+                 level_gate: float = 0.0, fc: np.ndarray | None = None):
         """level_gate: grow another level only while some row's most probable frontier path
         (the head's probability) is at least this (confidence gating, `level_gate`; 0 =
-        EAGLE-2's fixed depth)."""
+        EAGLE-2's fixed depth). fc: an EAGLE-3 head's [H, 3H] (`head_features`)."""
         self.rt = runtime
+        self.fc = fc
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         self.level_gate = level_gate
@@ -77,7 +91,9 @@ class EagleDrafter:
         rt = load_runtime(manifest, engine="eagle", options=options)
         vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
         gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
-        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate)
+        extra = manifest.drafts["eagle"].extra
+        fc = np.load(manifest.resolve(extra["fc_path"])) if "fc_path" in extra else None
+        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:
         return None                                  # point-mass drafts: lossless for all
@@ -162,7 +178,7 @@ class EagleDrafter:
         predicted root features [R, H])."""
         pend, toks = [], []
         for s in seqs:
-            f = np.concatenate(self._pending[s.seq_id])
+            f = head_features(np.concatenate(self._pending[s.seq_id]), self.rt.config.hidden_size, self.fc)
             fed = self._fed[s.seq_id]
             ids = s.all_ids()
             assert fed + len(f) == len(ids) - 1, (fed, len(f), len(ids))

@@ -1,6 +1,13 @@
 """Export a trained EAGLE head (train/eagle_train.py) to ONNX for a built target: the head's
 layer plus the target's embedding table and the target's LM-head rows of the draft vocabulary,
-through the same graph builder as the target (GraphSpec.eagle)."""
+through the same graph builder as the target (GraphSpec.eagle).
+
+An EAGLE-3 head keeps its own LM head, and its layer has a second input norm
+(`layers.0.hidden_norm`: the attention reads [norm(embedding), norm(feature)], 2H wide). Its fc
+(the target's three layer features, 3H -> H) is not in the engine: it applies to the target's
+features only, never to the head's own, so the drafter runs it on the host at catch-up
+(drafters/eagle.py; `fc_path` in the manifest entry), and the engine takes H-wide features on
+every runtime."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,9 +39,10 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
                          f"{cfg['target_vocab_size']} / hidden {cfg['hidden_size']}, not this one "
                          f"({target.config.vocab_size} / {target.config.hidden_size})")
     vocab = np.asarray(w["draft_vocab"], np.int64)
-    head = target.tensors.get("lm_head", target.tensor("embed")).float32()[vocab]
+    eagle3 = cfg.get("layout") == "eagle3"
+    head = w["lm_head"] if eagle3 else target.tensors.get("lm_head", target.tensor("embed")).float32()[vocab]
     tensors = {k: SourceTensor(k, "F32", tuple(v.shape), np.asarray(v, np.float32))
-               for k, v in w.items() if k != "draft_vocab"}
+               for k, v in w.items() if k != "draft_vocab" and not (eagle3 and k == "fc")}
     tensors["embed"] = target.tensor("embed")
     tensors["lm_head"] = SourceTensor("lm_head", "F32", head.shape, head)
     config = replace(target.config, vocab_size=int(vocab.size), num_layers=1,

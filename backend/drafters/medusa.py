@@ -87,10 +87,14 @@ class MedusaDrafter:
         return None                                      # point-mass drafts: lossless for all
 
     def begin(self, seq: SequenceState, prompt_hidden) -> None:
-        self._last[seq.seq_id] = np.asarray(prompt_hidden[-1], np.float32)
+        self._last[seq.seq_id] = self._final_norm(prompt_hidden[-1])
 
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes, hidden) -> None:
-        self._last[seq.seq_id] = np.asarray(hidden[-1], np.float32)
+        self._last[seq.seq_id] = self._final_norm(hidden[-1])
+
+    def _final_norm(self, h: np.ndarray) -> np.ndarray:
+        """The final-norm part of a target feature row (EAGLE-3 layer features may follow it)."""
+        return np.asarray(h[: self.w["head0"].shape[1]], np.float32)
 
     def end(self, seq: SequenceState) -> None:
         self._last.pop(seq.seq_id, None)

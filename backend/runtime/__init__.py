@@ -77,16 +77,24 @@ def check_device(manifest: EngineManifest) -> str:
 
 
 def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None, *,
-                 engine: str = TARGET, options: RuntimeOptions | None = None) -> Runtime:
+                 engine: str = TARGET, options: RuntimeOptions | None = None,
+                 feature_layers: tuple[int, ...] | None = None) -> Runtime:
     """A runtime over one engine of `manifest`: the target in weight format `fmt` (default: the
     manifest's), or a draft engine by its manifest name (`--draft PATH` -> "model",
     `--draft self:N` -> "selfN", `--draft eagle:DIR` -> "eagle"). The manifest's device picks
     the runtime: ONNX Runtime (cpu), torch with the Triton kernels (cuda), or the TensorRT
-    engines of the engine graph (tensorrt)."""
+    engines of the engine graph (tensorrt). feature_layers: the target's EAGLE-3 feature layers
+    instead of the engine's (training a head: the native and torch runtimes take any; an ONNX
+    graph has its own built in)."""
     options = options or RuntimeOptions()
+    features: tuple[int, ...] = ()       # EAGLE-3's target layers (ONNX graphs have them built in)
     if engine == TARGET:
         ef = manifest.engine(fmt)
         path, cfg, layers, pad = manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token
+        features = ef.feature_layers if feature_layers is None else tuple(feature_layers)
+        if features != ef.feature_layers and ef.weights is not WeightFormat.GGUF and manifest.device is not Device.CUDA:
+            raise ValueError(f"the {ef.weights.value} engine outputs the features of layers {list(ef.feature_layers)}, "
+                             f"not {list(features)}: its graph has them built in (use the gguf engine)")
     else:
         if engine not in manifest.drafts:
             raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
@@ -115,11 +123,12 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     if manifest.device is Device.CUDA:
         from backend.runtime.torch_rt import TorchRuntime
 
-        return TorchRuntime(path, cfg, layers, manifest.max_seq_len, options, check_device(manifest))
+        return TorchRuntime(path, cfg, layers, manifest.max_seq_len, options, check_device(manifest),
+                            feature_layers=features)
     if engine == TARGET and ef.weights is WeightFormat.GGUF:
         from backend.runtime.native import NativeRuntime
 
-        return NativeRuntime(path, cfg, layers, manifest.max_seq_len, options)
+        return NativeRuntime(path, cfg, layers, manifest.max_seq_len, options, features)
     from backend.runtime.ort import OrtRuntime
 
     return OrtRuntime(path, cfg, layers, manifest.max_seq_len, options, pad_single_token=pad)

@@ -35,7 +35,7 @@ class _Matrix(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P),
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P), ("hidden_norm", _P),
                 ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
 
 
@@ -52,9 +52,9 @@ class _Cache(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [(n, _I32) for n in ("batch", "rows", "path_len", "num_logits", "threads", "pad_")] + \
+    _fields_ = [(n, _I32) for n in ("batch", "rows", "path_len", "num_logits", "threads", "num_features")] + \
                [(n, _P) for n in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
-                                  "logit_rows", "features", "hidden", "logits")]
+                                  "logit_rows", "feature_layers", "features", "hidden", "logits")]
 
 
 _LIB = None
@@ -116,7 +116,8 @@ class NativeModel:
         n = num_layers
         self.layers = (_Layer * n)(*[
             _Layer(_ptr(t.get(f"layers.{i}.attn_norm")), _ptr(t[f"layers.{i}.mlp_norm"]),
-                   _ptr(t.get(f"layers.{i}.qkv_bias")), mat(f"layers.{i}.qkv"), mat(f"layers.{i}.o"),
+                   _ptr(t.get(f"layers.{i}.qkv_bias")), _ptr(t.get(f"layers.{i}.hidden_norm")),
+                   mat(f"layers.{i}.qkv"), mat(f"layers.{i}.o"),
                    mat(f"layers.{i}.gate_up"), mat(f"layers.{i}.down")) for i in range(n)])
         c = config
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -124,7 +125,7 @@ class NativeModel:
                              _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))
-        self.eagle = "fc" in t
+        self.eagle = "fc" in t or "layers.0.hidden_norm" in t        # takes `features`
         self.embed_rows = header["tensors"]["embed"]["rows"]     # token ids index the (target's) embedding
         self.num_layers = n
 
@@ -132,8 +133,12 @@ class NativeModel:
 class NativeRuntime(SlotSequences):
     ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
-                 options: RuntimeOptions = RuntimeOptions()):
+                 options: RuntimeOptions = RuntimeOptions(), feature_layers: tuple[int, ...] = ()):
+        """feature_layers: EAGLE-3's, appended to `hidden` (EngineFile.feature_layers)."""
         self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len
+        assert all(0 <= f < num_layers for f in feature_layers), (feature_layers, num_layers)
+        self.feature_layers = np.array(feature_layers, np.int32)
+        self.feature_width = config.hidden_size * (1 + len(feature_layers))
         self.lib = library()
         self.model = NativeModel(engine_path, config, num_layers)
         self.threads = options.threads or default_threads()
@@ -170,10 +175,10 @@ class NativeRuntime(SlotSequences):
             wanted = index < counts[:, None]                             # [B, R] logits of real nodes
             logit_rows = (row_start[:-1, None] + index)[wanted].astype(np.int64)
             n, full, all_logits = int(row_start[-1]), bool(real.all()), bool(wanted.all())
-            hidden = self._hidden.view((b, t, self.config.hidden_size))
+            hidden = self._hidden.view((b, t, self.feature_width))
             logits = self._logits.view((b, index.shape[1], self.config.vocab_size))
             # without padding the kernel writes the outputs in place; else packed, then scattered
-            packed = hidden.reshape(b * t, -1) if full else self._packed.view((n, self.config.hidden_size))
+            packed = hidden.reshape(b * t, -1) if full else self._packed.view((n, self.feature_width))
             packed_logits = (logits.reshape(-1, self.config.vocab_size) if all_logits else
                              self._packed_logits.view((len(logit_rows), self.config.vocab_size)))
             pick = (lambda a: a.reshape((b * t,) + a.shape[2:])) if full else (lambda a: a[real])   # no copies unpadded
@@ -182,9 +187,11 @@ class NativeRuntime(SlotSequences):
                       "paths": np.ascontiguousarray(pick(host["paths"]), np.int32), "ctx": host["ctx"],
                       "slots": host["slots"], "logit_rows": logit_rows,
                       "features": None if feats is None else np.ascontiguousarray(pick(np.asarray(feats, np.float32)))}
-            step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, 0,
+            arrays["feature_layers"] = self.feature_layers
+            step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, len(self.feature_layers),
                          *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
-                                                     "slots", "logit_rows", "features")), _ptr(packed), _ptr(packed_logits))
+                                                     "slots", "logit_rows", "feature_layers", "features")),
+                         _ptr(packed), _ptr(packed_logits))
             if n:
                 rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
                 if rc != 0:

@@ -170,6 +170,8 @@ class OrtRuntime:
             if _SHARED is not None:
                 _SHARED[key] = self.session
         self._io = self.session.io_binding()
+        # final-norm features, then any EAGLE-3 layer features (graph.py GraphSpec.feature_layers)
+        self.feature_width = next(o.shape[-1] for o in self.session.get_outputs() if o.name == "hidden")
         self.groups = KVGroups(_Storage(2 * num_layers, config.num_kv_heads, config.head_dim))
         self._logits = Grow()
         self._hidden = Grow()
@@ -232,7 +234,7 @@ class OrtRuntime:
                 self._bind_in(io, f"past_{kind}_{layer}", g.kv.kv[j])
                 self._bind_out(io, f"present_{kind}_{layer}", pres)
             logits = self._logits.view((b, logits_index.shape[1], self.config.vocab_size))
-            hidden = self._hidden.view((b, t, self.config.hidden_size))
+            hidden = self._hidden.view((b, t, self.feature_width))
             self._bind_out(io, "logits", logits)
             self._bind_out(io, "hidden", hidden)
             self.session.run_with_iobinding(io)

@@ -1,7 +1,9 @@
 """The Llama-family decoder in torch, for the GPU runtime (torch_rt.py): the math of the ONNX
 graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for Qwen2), rotary by position, GQA
 attention through the runtime's KV callback, SwiGLU, the final norm; an EAGLE head first maps
-[embedding of x, target feature] through `fc`.
+[embedding of x, target feature] through `fc`; an EAGLE-3 head (`layers.0.hidden_norm`) takes the
+feature as its residual stream and attends over [norm(embedding), norm(feature)]. A target with
+`feature_layers` appends those layers' inputs to its features (EAGLE-3's, graph.py).
 
 Weights come from an engine file the build wrote (build/torch_engine.py), canonical names as in
 build/checkpoint.py, in one of three formats:
@@ -115,6 +117,8 @@ class _Layer:
 
         norm = t.get(f"layers.{i}.attn_norm")              # absent in an EAGLE-1/2 head's layer
         self.attn_norm = None if norm is None else norm.to(dtype)
+        norm = t.get(f"layers.{i}.hidden_norm")            # an EAGLE-3 head's feature norm
+        self.hidden_norm = None if norm is None else norm.to(dtype)
         self.mlp_norm = t[f"layers.{i}.mlp_norm"].to(dtype)
         self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if cfg.attention_bias else None)
         self.o = lin(["o"], "o")
@@ -127,10 +131,12 @@ class _Layer:
 
 class TorchModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], num_layers: int,
-                 device: torch.device, max_positions: int, dtype: torch.dtype | None = None):
+                 device: torch.device, max_positions: int, dtype: torch.dtype | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         from backend.build.graph import rope_tables
 
         self.cfg = cfg
+        self.feature_layers = tuple(feature_layers)
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         t = {k: v.to(device) for k, v in tensors.items()}
@@ -162,16 +168,30 @@ class TorchModel:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                features: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [N], positions [N] -> final-norm hidden states [N, H] (compute dtype)."""
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N], positions [N] -> (the features the forward outputs [N, W], final-norm rows
+        [N, H] for the LM head), compute dtype. W = H (1 + len(feature_layers)); an EAGLE-3
+        head outputs its pre-norm residual stream."""
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self.embed[ids]
-        if self.fc is not None:
+        eagle3 = self.layers[0].hidden_norm is not None
+        if eagle3 or self.fc is not None:
             assert features is not None, "an EAGLE head needs the target's features"
+        embeds = x
+        if eagle3:
+            x = features.to(self.dtype)
+        elif self.fc is not None:
             x = self.fc(torch.cat([x, features.to(self.dtype)], -1))
+        aux = {}
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rmsnorm(x, layer.attn_norm)).view(-1, nh + 2 * nkv, d)
+            if i in self.feature_layers:
+                aux[i] = x
+            if eagle3:
+                hn = torch.cat([self._rmsnorm(embeds, layer.attn_norm), self._rmsnorm(x, layer.hidden_norm)], -1)
+            else:
+                hn = self._rmsnorm(x, layer.attn_norm)
+            qkv = layer.qkv(hn).view(-1, nh + 2 * nkv, d)
             q = self._rope(qkv[:, :nh], positions)
             k = self._rope(qkv[:, nh:nh + nkv], positions)
             kv.write(i, k, qkv[:, nh + nkv:])
@@ -180,7 +200,10 @@ class TorchModel:
             gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm))
             g, u = gu.split(cfg.intermediate_size, -1)
             x = x + layer.down(F.silu(g) * u)
-        return self._rmsnorm(x, self.norm)
+        normed = self._rmsnorm(x, self.norm)
+        if eagle3:
+            return x, normed
+        return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, H] final-norm rows -> [R, V] float32 logits."""

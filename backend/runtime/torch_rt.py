@@ -39,7 +39,8 @@ class TorchRuntime(SlotSequences):
     ragged = False
     def __init__(self, engine_path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,
-                 tensors: dict | None = None, dtype: torch.dtype | None = None):
+                 tensors: dict | None = None, dtype: torch.dtype | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         """engine_path: an engine file of build/torch_engine.py (or `tensors` in its layout,
         for benchmarks on random weights); dtype: compute dtype (bf16 on a GPU, fp32 on CPU)."""
         self.config = config
@@ -49,7 +50,7 @@ class TorchRuntime(SlotSequences):
         if options.threads and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
         self.model = TorchModel(config, tensors if tensors is not None else load_tensors(engine_path),
-                                num_layers, self.device, max_seq_len, dtype)
+                                num_layers, self.device, max_seq_len, dtype, feature_layers)
         self.capacity = options.max_sequences or (64 if self.device.type == "cuda" else 16)
         kv_dtype = self.model.dtype
         self.columns = max_seq_len + SCRATCH_COLUMNS
@@ -88,8 +89,9 @@ class TorchRuntime(SlotSequences):
         b, t = x["ids"].shape
         kv = _SlotKV(self, x)
         feats = x["features"].reshape(b * t, -1) if "features" in x else None
-        hidden = self.model.forward(x["ids"].reshape(-1), x["pos"].reshape(-1), kv, feats).view(b, t, -1)
-        rows = hidden[torch.arange(b, device=self.device)[:, None], x["index"]]
+        hidden, normed = self.model.forward(x["ids"].reshape(-1), x["pos"].reshape(-1), kv, feats)
+        hidden, normed = hidden.view(b, t, -1), normed.view(b, t, -1)
+        rows = normed[torch.arange(b, device=self.device)[:, None], x["index"]]
         logits = self.model.logits(rows.reshape(-1, rows.shape[-1])).view(b, x["index"].shape[1], -1)
         return logits, hidden
 

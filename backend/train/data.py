@@ -80,14 +80,15 @@ def generate_responses(engine_dir: Path, prompts: list[list[dict]], out_path: Pa
 
 
 def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: str = "fp32",
-                   shard_size: int = 256, probe_every: int = 8) -> list[Path]:
+                   shard_size: int = 256, probe_every: int = 8, feature_layers: tuple[int, ...] = ()) -> list[Path]:
     """Teacher-forced features without stored labels (the corpus path, corpus.py).
 
     Per shard: tokens, final-norm features (fp16) of every position, and at every
     `probe_every`-th position the target's full-vocabulary argmax (`probe_pos`, `probe_top1`),
     which chooses the draft vocabulary. Training recomputes the target's distribution over the
     draft vocabulary from the stored features (logits = feature @ lm_head rows), so only
-    1/probe_every of the rows pay for the full LM head here. One forward per record."""
+    1/probe_every of the rows pay for the full LM head here. One forward per record. With
+    `feature_layers` (EAGLE-3) each row is [final norm | the inputs of those layers]."""
     from backend.manifest import EngineManifest
     from backend.runtime import load_runtime
 
@@ -96,7 +97,7 @@ def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: st
     paths = [out_dir / f"hidden_{k:04d}.npz" for k in range(len(shards))]
     if all(p.exists() for p in paths):
         return paths
-    rt = load_runtime(EngineManifest.load(engine_dir), fmt)
+    rt = load_runtime(EngineManifest.load(engine_dir), fmt, feature_layers=feature_layers)
     total = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in records)
     bar = _bar(total, "features", "tok")
     for path, shard in zip(paths, shards):

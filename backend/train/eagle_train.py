@@ -10,6 +10,11 @@ vocabulary (recomputed from f_{t+1} and the target's LM head). Further passes (`
 the head its own predicted features of the pass before (EAGLE-3's training-time test), so that
 deeper draft steps are trained on the inputs they see at serve time. Inputs get small uniform
 noise (EAGLE).
+
+`eagle3`: an EAGLE-3 head (train/eagle_model.Eagle3Head) on the target's low, middle and high
+layer features (the reference's layers (2, L/2, L-3), extracted by the native or torch runtime),
+with the KL loss only (its output is its own feature space, not the target's), written in the
+EAGLE-3 reference's layout.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class TrainConfig:
     corpus_roots: list[str] | None = None  # directories of .py files (default: stdlib + packages)
     init: Path | None = None       # start from this head's weights (same vocabulary size)
     vocab_from: Path | None = None  # take the draft vocabulary of this head instead of choosing one
+    eagle3: bool = False           # an EAGLE-3 head on three layers' features (module docstring)
 
 
 def _load_shards(shards: list[Path], source: str = "") -> list[dict]:
@@ -100,24 +106,26 @@ def _batches(seqs, window: int, batch: int, rng: np.random.Generator, pool: int 
         yield batches[j]
 
 
-def _tensors(seqs, wins, window: int, feat_std: float, noise: float, rng):
-    """Row r, column k: the pair (f_{a+k}, x_{a+k+1}) in, the target's feature f_{a+k+1} out
-    (whose LM-head distribution labels x_{a+k+2})."""
+def _tensors(seqs, wins, window: int, feat_std: float, noise: float, rng, hidden: int):
+    """Row r, column k: the pair (f_{a+k}, x_{a+k+1}) in, the target's final-norm feature
+    f_{a+k+1} out (whose LM-head distribution labels x_{a+k+2}). Stored rows of width `hidden`
+    are both; wider ones (EAGLE-3) are [final norm | layer features]: the layer features in."""
     import torch
 
     n = len(wins)
     t = max(1, min(window, max(len(seqs[i]["tokens"]) - 2 - a for i, a in wins)))
-    h = seqs[0]["feats"].shape[1]
-    f_in = np.zeros((n, t, h), np.float32)
-    f_out = np.zeros((n, t, h), np.float32)
+    w = seqs[0]["feats"].shape[1]
+    cols = slice(0, hidden) if w == hidden else slice(hidden, w)
+    f_in = np.zeros((n, t, cols.stop - cols.start), np.float32)
+    f_out = np.zeros((n, t, hidden), np.float32)
     tok = np.zeros((n, t), np.int64)
     pos = np.zeros((n, t), np.int64)
     valid = np.zeros((n, t), np.float32)
     for r, (i, a) in enumerate(wins):
         s = seqs[i]
         m = max(0, min(t, len(s["tokens"]) - 2 - a))
-        f_in[r, :m] = s["feats"][a:a + m]
-        f_out[r, :m] = s["feats"][a + 1:a + 1 + m]
+        f_in[r, :m] = s["feats"][a:a + m, cols]
+        f_out[r, :m] = s["feats"][a + 1:a + 1 + m, :hidden]
         tok[r, :m] = s["tokens"][a + 1:a + 1 + m]
         pos[r, :m] = np.arange(a, a + m)
         valid[r, :m] = 1.0
@@ -136,12 +144,18 @@ def target_probs(model, f_out):
 
 
 def _losses(model, f_in, tok, pos, f_out, p, valid, mask):
-    """Feature regression (SmoothL1) and forward KL to the target's distribution `p`."""
+    """Feature regression (SmoothL1; not for EAGLE-3, whose features are its own) and forward KL
+    to the target's distribution `p`."""
     import torch
+
+    from backend.train.eagle_model import Eagle3Head
 
     feat, logits = model(f_in, tok, pos, mask)
     w = valid[..., None]
-    reg = (torch.nn.functional.smooth_l1_loss(feat, f_out, reduction="none") * w).sum() / (w.sum() * feat.shape[-1])
+    if isinstance(model, Eagle3Head):
+        reg = torch.zeros((), device=feat.device)
+    else:
+        reg = (torch.nn.functional.smooth_l1_loss(feat, f_out, reduction="none") * w).sum() / (w.sum() * feat.shape[-1])
     cls = -(p * torch.log_softmax(logits, -1)).sum(-1)
     cls = (cls * valid).sum() / valid.sum()
     acc = (logits.argmax(-1) == p.argmax(-1)).float()
@@ -159,19 +173,21 @@ def validate(model, seqs, vocab: np.ndarray) -> dict:
 
     hit1 = hit2 = n = 0
     dev = model.head.device
+    h = model.head.shape[1]
     vocab_t = torch.from_numpy(vocab).to(dev)
     with torch.no_grad():
         for s in seqs:
             lo, t = s["prompt_len"], len(s["tokens"]) - 2
             if t - lo < 2:
                 continue
-            f = torch.from_numpy(s["feats"][:t].astype(np.float32))[None].to(dev)
+            f = s["feats"][:t]
+            f = torch.from_numpy((f if f.shape[1] == h else f[:, h:]).astype(np.float32))[None].to(dev)
             tok = torch.from_numpy(s["tokens"][1:t + 1].astype(np.int64))[None].to(dev)
             pos = torch.arange(t, device=dev)[None]
             target = torch.from_numpy(s["top1"][1:t + 1].astype(np.int64)).to(dev)
             mask = causal_mask(t).to(dev)
             feat1, logits1 = model(f, tok, pos, mask)
-            f2 = torch.cat([f[:, :1], feat1[:, :-1]], 1)
+            f2 = torch.cat([model.fuse(f[:, :1]), feat1[:, :-1]], 1)
             _, logits2 = model(f2, tok, pos, mask)
             keep = slice(lo, t)
             hit1 += int((vocab_t[logits1[0].argmax(-1)] == target)[keep].sum())
@@ -179,6 +195,13 @@ def validate(model, seqs, vocab: np.ndarray) -> dict:
             n += t - lo
     a1, a2 = hit1 / max(n, 1), hit2 / max(n, 1)
     return {"acc1": a1, "acc2": a2, "score": a1 + a1 * a2, "positions": n}
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head trained here reads: the reference's default."""
+    from backend.drafters.head_formats import feature_layers
+
+    return feature_layers({"layout": "eagle3"}, num_layers)
 
 
 def prepare_data(cfg: TrainConfig, manifest, tok) -> tuple[dict[str, list[Path]], list[Path], float]:
@@ -194,22 +217,28 @@ def prepare_data(cfg: TrainConfig, manifest, tok) -> tuple[dict[str, list[Path]]
     fast = [f for f in ("gguf", "q4") if f in manifest.engines]     # generation: the fastest engine built
     gen_fmt = cfg.gen_format or (fast[0] if fast else manifest.default_format.value)
     feat_fmt = manifest.default_format.value
+    layers = eagle3_layers(manifest.model.num_layers) if cfg.eagle3 else ()
+    if layers and feat_fmt != "gguf" and manifest.device.value != "cuda":
+        raise ValueError("an EAGLE-3 head's features come from the native (gguf) or torch engine; "
+                         f"this repository serves {feat_fmt}")
+    extract = lambda recs, d, **kw: extract_hidden(cfg.engine_dir, recs, work / (d + ("_eagle3" if layers else "")),
+                                                   feat_fmt, feature_layers=layers, **kw)
     words = tokenizer_words(manifest.resolve(manifest.tokenizer_path).read_text())
     max_prompt = min(900, manifest.max_seq_len - cfg.max_new_tokens - 1)
     val = generate_responses(cfg.engine_dir, validation_prompts(cfg.val_prompts, words),
                              work / "validation.jsonl", gen_fmt, cfg.max_new_tokens, sampled_fraction=0.0,
                              max_prompt=max_prompt)
-    val_shards = extract_hidden(cfg.engine_dir, val, work / "val_features", feat_fmt, probe_every=1)
+    val_shards = extract(val, "val_features", probe_every=1)
     shards = {}
     if cfg.corpus_tokens:
         recs = corpus_records(tok, cfg.corpus_tokens, work / "corpus.jsonl", cfg.seed,
                               min(512, manifest.max_seq_len), cfg.corpus_roots)
-        shards["corpus"] = extract_hidden(cfg.engine_dir, recs, work / "features", feat_fmt)
+        shards["corpus"] = extract(recs, "features")
     if cfg.num_prompts:
         chat = build_prompts(GENERAL_FROM + cfg.num_prompts, cfg.seed, words)[GENERAL_FROM:]
         own = generate_responses(cfg.engine_dir, chat, work / "responses.jsonl", gen_fmt, cfg.max_new_tokens,
                                  max_prompt=max_prompt)
-        shards["own"] = extract_hidden(cfg.engine_dir, own, work / "own_features", feat_fmt)
+        shards["own"] = extract(own, "own_features")
     return shards, val_shards, time.time() - t0
 
 
@@ -220,7 +249,7 @@ def train(cfg: TrainConfig) -> Path:
     from backend.build.graph import rope_tables
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
-    from backend.train.eagle_model import EagleHead, causal_mask
+    from backend.train.eagle_model import Eagle3Head, EagleHead, causal_mask
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(2)
@@ -247,13 +276,16 @@ def train(cfg: TrainConfig) -> Path:
             "head_dim": mc.head_dim, "intermediate_size": mc.intermediate_size,
             "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,
             "draft_vocab_size": int(vocab.size), "target_vocab_size": mc.vocab_size}
-    model = EagleHead(hcfg, embed, head_rows.astype(np.float32), cos, sin)
+    if cfg.eagle3:
+        hcfg["feature_layers"] = list(eagle3_layers(mc.num_layers))
+    model = (Eagle3Head if cfg.eagle3 else EagleHead)(hcfg, embed, head_rows.astype(np.float32), cos, sin)
     if cfg.init:
         model.load_weights(load_head(Path(cfg.init))[1])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # a GPU when at hand
     model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    feat_std = float(np.sqrt(np.mean([np.mean(s["feats"][:512].astype(np.float32) ** 2) for s in seqs[:64]])))
+    h_in = slice(0, mc.hidden_size) if seqs[0]["feats"].shape[1] == mc.hidden_size else slice(mc.hidden_size, None)
+    feat_std = float(np.sqrt(np.mean([np.mean(s["feats"][:512, h_in].astype(np.float32) ** 2) for s in seqs[:64]])))
     rng = np.random.default_rng(cfg.seed)
     steps_per_epoch = math.ceil(len(_windows(seqs, cfg.window)) / cfg.batch)   # what _batches yields
     total_steps = steps_per_epoch * cfg.epochs
@@ -300,13 +332,13 @@ def train(cfg: TrainConfig) -> Path:
             for g in opt.param_groups:
                 g["lr"] = lr
             f_noisy, f_in, f_out, tok, pos, valid = (x.to(dev) for x in _tensors(
-                seqs, wins, cfg.window, feat_std, cfg.noise, rng))
+                seqs, wins, cfg.window, feat_std, cfg.noise, rng, mc.hidden_size))
             mask = causal_mask(tok.shape[1]).to(dev)
             p = target_probs(model, f_out)
             feat, reg1, cls1, acc1 = _losses(model, f_noisy, tok, pos, f_out, p, valid, mask)
             loss, accs = reg1 + cls1, [acc1]
             for _ in range(cfg.ttt_steps):        # training-time test: own predictions as inputs
-                f_own = torch.cat([f_in[:, :1], feat[:, :-1]], dim=1)
+                f_own = torch.cat([model.fuse(f_in[:, :1]), feat[:, :-1]], dim=1)
                 feat, reg, cls, acc = _losses(model, f_own, tok, pos, f_out, p, valid, mask)
                 loss, accs = loss + 0.5 * (reg + cls), accs + [acc]
             acc2 = accs[min(1, len(accs) - 1)]
@@ -340,7 +372,7 @@ def train(cfg: TrainConfig) -> Path:
             "final_acc": float(np.mean([h[3] for h in state["history"][-20:]])) if state["history"] else None,
             "final_acc2": float(np.mean([h[4] for h in state["history"][-20:]])) if state["history"] else None,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}}
-    save_head(out, model, hcfg, vocab, manifest, meta)
+    (save_eagle3 if cfg.eagle3 else save_head)(out, model, hcfg, vocab, manifest, meta)
     _plot(state["history"], state["validation"], out / "training.png")
     return out
 
@@ -357,11 +389,32 @@ def save_head(out: Path, model, hcfg: dict, vocab: np.ndarray, manifest, meta: d
     (out / HEAD_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def load_head(head_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file
+def save_eagle3(out: Path, model, hcfg: dict, vocab: np.ndarray, manifest, meta: dict) -> None:
+    """An EAGLE-3 head in the reference's layout: config.json (LlamaForCausalLMEagle3, the target's
+    vocab_size, draft_vocab_size, the feature layers) + model.safetensors (its key names, fp16,
+    d2t = target id - draft id)."""
+    from safetensors.numpy import save_file
 
-    cfg = json.loads((Path(head_dir) / HEAD_CONFIG).read_text())
-    return cfg, load_file(str(Path(head_dir) / HEAD_WEIGHTS))
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.astype(np.float16) for k, v in model.export_weights().items()}
+    tensors["d2t"] = (vocab - np.arange(vocab.size)).astype(np.int64)
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+           "hidden_size": hcfg["hidden_size"], "intermediate_size": hcfg["intermediate_size"],
+           "num_attention_heads": hcfg["num_heads"], "num_key_value_heads": hcfg["num_kv_heads"],
+           "head_dim": hcfg["head_dim"], "rms_norm_eps": hcfg["rms_norm_eps"], "rope_theta": hcfg["rope_theta"],
+           "vocab_size": hcfg["target_vocab_size"], "draft_vocab_size": hcfg["draft_vocab_size"],
+           "eagle_aux_hidden_state_layer_ids": hcfg["feature_layers"], "torch_dtype": "float16",
+           "target_source": Path(manifest.source).name, "training": meta}
+    (out / HEAD_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_head(head_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """A head's (config, weights) in our names: ours as saved, published layouts through
+    drafters/head_formats.read_head."""
+    from backend.drafters.head_formats import read_head
+
+    return read_head(Path(head_dir))
 
 
 def _plot(history, validation, path: Path) -> None:

@@ -62,6 +62,7 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm;   /* [H] */
     const float *qkv_bias;               /* [(Hq + 2 Hkv) D] or NULL */
+    const float *hidden_norm;            /* [H] an EAGLE-3 head's feature norm, else NULL */
     sd_matrix qkv, o, gate_up, down;
 } sd_layer;
 
@@ -339,13 +340,14 @@ static void dequant_row(const sd_matrix *w, int n, float *out) {
 
 /* ---- elementwise ------------------------------------------------------------------------- */
 
-/* y = x / rms(x) * w; w NULL: y = x (an EAGLE-1/2 head has no input norm, and no final norm) */
-static void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, float *y) {
+/* y = x / rms(x) * w, rows of y `ldy` apart; w NULL: y = x (an EAGLE-1/2 head has no input
+ * norm, and no final norm) */
+static void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, float *y, int ldy) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * h;
         if (!w) {
-            if (y != x) memcpy(y + (size_t)r * h, xr, sizeof(float) * h);
+            if (y != x) memcpy(y + (size_t)r * ldy, xr, sizeof(float) * h);
             continue;
         }
         __m256 ss = _mm256_setzero_ps();
@@ -354,8 +356,14 @@ static void rmsnorm_rows(const float *x, int rows, int h, const float *w, float 
             ss = _mm256_fmadd_ps(v, v, ss);
         }
         float inv = 1.0f / sqrtf(hsum8(ss) / (float)h + eps);
-        for (int j = 0; j < h; j++) y[(size_t)r * h + j] = (xr[j] * inv) * w[j];
+        for (int j = 0; j < h; j++) y[(size_t)r * ldy + j] = (xr[j] * inv) * w[j];
     }
+}
+
+/* dst rows (ldd apart) = src rows (lds apart), h floats each */
+static void copy_rows(const float *src, int lds, float *dst, int ldd, int rows, int h) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) memcpy(dst + (size_t)r * ldd, src + (size_t)r * lds, sizeof(float) * h);
 }
 
 static void rope(float *v, int heads, int d, const float *cos, const float *sin) {
@@ -550,15 +558,18 @@ static void attend_row(const sd_model *m, const sd_cache *c, int layer, int64_t 
 /* ---- the forward ------------------------------------------------------------------------- */
 
 typedef struct {
-    int32_t batch, rows, path_len, num_logits, threads, pad_;
+    int32_t batch, rows, path_len, num_logits, threads, num_features;
     const int32_t *row_start;                  /* [B + 1] the nodes of row b are row_start[b] .. row_start[b+1]
                                                   (rows are ragged: no padding nodes are computed) */
     const int64_t *ids, *pos, *wslot, *wcol;   /* [N] per node */
     const int32_t *paths;                      /* [N, P] scratch node ids, -1 padded */
     const int32_t *ctx, *slots;                /* [B] */
     const int64_t *logit_rows;                 /* [L] nodes that get logits */
+    const int32_t *feature_layers;             /* [F] EAGLE-3: these layers' inputs follow in `hidden` */
     const float *features;                     /* [N, H] the target's features (EAGLE head), or NULL */
-    float *hidden;                             /* [N, H] out: final-norm features */
+    float *hidden;                             /* [N, H (1 + F)] out: final-norm features, then each
+                                                  feature layer's input; an EAGLE-3 head: [N, H]
+                                                  its pre-norm output (its next level's feature) */
     float *logits;                             /* [L, V] out */
 } sd_step;
 
@@ -575,6 +586,10 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     int kmax = 2 * h > hq * d ? 2 * h : hq * d;   /* 2h: an EAGLE head's fc input */
     kmax = inter > kmax ? inter : kmax;
     const int nrows_logits = s->num_logits;
+    /* an EAGLE-3 head: the feature is the residual stream, the attention reads
+     * [norm(embedding), norm(feature)] (2h wide) */
+    const int eagle3 = m->num_layers > 0 && m->layers[0].hidden_norm != NULL;
+    const int nf = s->num_features, hw = h * (1 + nf);
     int max_tokens = 0;
     for (int b = 0; b < s->batch; b++) {
         int n = s->row_start[b + 1] - s->row_start[b];
@@ -591,7 +606,10 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     float *att = xalloc(sizeof(float) * (size_t)rows * hq * d);
     float *gu = xalloc(sizeof(float) * (size_t)rows * 2 * inter);
     float *act = xalloc(sizeof(float) * (size_t)rows * inter);
-    float *cat = m->fc.data ? xalloc(sizeof(float) * (size_t)rows * 2 * h) : NULL;
+    float *cat = m->fc.data || eagle3 ? xalloc(sizeof(float) * (size_t)rows * 2 * h) : NULL;
+    float *emb = eagle3 ? xalloc(sizeof(float) * (size_t)rows * h) : NULL;
+    /* final-norm rows: written straight to `hidden` when that is all it holds */
+    float *fin = eagle3 || nf ? xalloc(sizeof(float) * (size_t)rows * h) : s->hidden;
     /* attention work per thread: scores [T, spad], accumulators [T, 2, D], queries [T, D] */
     const int spad = (max_ctx + s->path_len + 7) & ~7;
     const size_t work_len = (size_t)max_tokens * spad + 16 + (size_t)max_tokens * (3 * MAX_HEAD_DIM + 2);
@@ -600,7 +618,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     act_q a = {xalloc((size_t)arows * kmax), xalloc(sizeof(float) * (size_t)arows * kmax / QBLOCK),
                xalloc(sizeof(int32_t) * (size_t)arows * kmax / QBLOCK), h};
     int ok = x && hn && qkv && att && gu && act && work && zero_col && a.q && a.d && a.sum
-             && (!m->fc.data || (cat && s->features));
+             && (!m->fc.data || (cat && s->features)) && (!eagle3 || (cat && emb && s->features)) && fin;
 
     if (ok) memset(zero_col, 0, sizeof(uint16_t) * MAX_HEAD_DIM);
     if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || inter % QBLOCK || (hq * d) % QBLOCK) ok = 0;
@@ -615,8 +633,10 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
 #endif
             float *my_work = work + work_len * me;
 #pragma omp for schedule(static)
-            for (int r = 0; r < rows; r++) dequant_row(&m->embed, (int)s->ids[r], x + (size_t)r * h);
-            if (m->fc.data) {                       /* EAGLE: fuse each token with its feature */
+            for (int r = 0; r < rows; r++) dequant_row(&m->embed, (int)s->ids[r], (eagle3 ? emb : x) + (size_t)r * h);
+            if (eagle3) {
+                copy_rows(s->features, h, x, h, rows, h);
+            } else if (m->fc.data) {                       /* EAGLE: fuse each token with its feature */
 #pragma omp for schedule(static)
                 for (int r = 0; r < rows; r++) {
                     memcpy(cat + (size_t)r * 2 * h, x + (size_t)r * h, sizeof(float) * h);
@@ -628,9 +648,18 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
             }
             for (int l = 0; l < m->num_layers; l++) {
                 const sd_layer *L = &m->layers[l];
-                rmsnorm_rows(x, rows, h, L->attn_norm, m->eps, hn);
-                my.k = h;
-                quantize_rows(hn, rows, h, &my);
+                for (int f = 0; f < nf; f++)
+                    if (s->feature_layers[f] == l) copy_rows(x, h, s->hidden + (size_t)(1 + f) * h, hw, rows, h);
+                if (L->hidden_norm) {
+                    rmsnorm_rows(emb, rows, h, L->attn_norm, m->eps, cat, 2 * h);
+                    rmsnorm_rows(x, rows, h, L->hidden_norm, m->eps, cat + h, 2 * h);
+                    my.k = 2 * h;
+                    quantize_rows(cat, rows, 2 * h, &my);
+                } else {
+                    rmsnorm_rows(x, rows, h, L->attn_norm, m->eps, hn, h);
+                    my.k = h;
+                    quantize_rows(hn, rows, h, &my);
+                }
                 matmul(&L->qkv, &my, rows, qkv, nqkv, nqkv, 0, L->qkv_bias);
 #pragma omp for schedule(static)
                 for (int r = 0; r < rows; r++) {          /* rotary, then the new KV to its column */
@@ -654,7 +683,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
                 my.k = hq * d;
                 quantize_rows(att, rows, hq * d, &my);
                 matmul(&L->o, &my, rows, x, h, h, 1, NULL);
-                rmsnorm_rows(x, rows, h, L->mlp_norm, m->eps, hn);
+                rmsnorm_rows(x, rows, h, L->mlp_norm, m->eps, hn, h);
                 my.k = h;
                 quantize_rows(hn, rows, h, &my);
                 matmul(&L->gate_up, &my, rows, gu, 2 * inter, 2 * inter, 0, NULL);
@@ -663,17 +692,20 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
                 quantize_rows(act, rows, inter, &my);
                 matmul(&L->down, &my, rows, x, h, h, 1, NULL);
             }
-            rmsnorm_rows(x, rows, h, m->norm, m->eps, s->hidden);
+            rmsnorm_rows(x, rows, h, m->norm, m->eps, fin, h);
+            if (eagle3) copy_rows(x, h, s->hidden, h, rows, h);
+            else if (nf) copy_rows(fin, h, s->hidden, hw, rows, h);
 #pragma omp for schedule(static)
             for (int i = 0; i < nrows_logits; i++) {
-                memcpy(hn + (size_t)i * h, s->hidden + (size_t)s->logit_rows[i] * h, sizeof(float) * h);
+                memcpy(hn + (size_t)i * h, fin + (size_t)s->logit_rows[i] * h, sizeof(float) * h);
             }
             my.k = h;
             quantize_rows(hn, nrows_logits, h, &my);
             matmul(&m->lm_head, &my, nrows_logits, s->logits, m->vocab, m->vocab, 0, NULL);
         }
     }
-    free(x); free(hn); free(qkv); free(att); free(gu); free(act); free(work); free(zero_col); free(cat);
+    free(x); free(hn); free(qkv); free(att); free(gu); free(act); free(work); free(zero_col); free(cat); free(emb);
+    if (fin != s->hidden) free(fin);
     free(a.q); free(a.d); free(a.sum);
     return ok ? 0 : -1;
 }
