@@ -26,16 +26,20 @@ from backend.sequence import SequenceState
 from backend.tree import TokenTree
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    z = x - x.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
-def _topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest entries of each row, best first."""
-    idx = np.argpartition(-x, k - 1, axis=-1)[..., :k]
-    order = np.argsort(-np.take_along_axis(x, idx, -1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, -1)
+def _top_logprobs(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits [..., V] -> (the k most probable entries of each row, best first (the lower index
+    on ties) [..., k], their log-probabilities [..., k]). k argmax passes over a copy: ~10x
+    faster than argpartition for the small k of a tree (perf-notes §13), and the log-softmax
+    is taken of the k entries only."""
+    flat = x.reshape(-1, x.shape[-1])
+    y, rows = flat.copy(), np.arange(flat.shape[0])
+    idx = np.empty((flat.shape[0], k), np.int64)
+    for j in range(k):
+        idx[:, j] = y.argmax(-1)
+        y[rows, idx[:, j]] = -np.inf
+    top = flat[rows[:, None], idx]                                 # [rows, k], best first
+    lse = top[:, :1] + np.log(np.exp(flat - top[:, :1]).sum(-1, keepdims=True))
+    return idx.reshape(x.shape[:-1] + (k,)), (top - lse).reshape(x.shape[:-1] + (k,))
 
 
 def head_features(hidden: np.ndarray, hidden_size: int, fc: np.ndarray | None) -> np.ndarray:
@@ -126,51 +130,45 @@ class EagleDrafter:
             return drafts
         sids = [seqs[i].seq_id for i in rows]
         logits, feats = self._catch_up([seqs[i] for i in rows])
-        k = self.topk
+        k, nr = self.topk, len(rows)
         budget = np.array([min(self.max_nodes, max_tokens[i]) for i in rows])
         depth = min(self.depth, int(budget.max()))
-        # candidates per row: parent (candidate index, -1 = root), token, score, scratch id
-        cand = [{"parent": [], "token": [], "score": [], "scratch": []} for _ in rows]
-        lp = _log_softmax(logits)                                   # [R, Vd]
-        top = _topk(lp, k)
-        for r in range(len(rows)):
-            for j in top[r]:
-                cand[r]["parent"].append(-1)
-                cand[r]["token"].append(int(self.vocab[j]))
-                cand[r]["score"].append(float(lp[r, j]))
-                cand[r]["scratch"].append(-1)
-        frontier = [list(range(k)) for _ in rows]                  # candidate indices to feed
-        parent_feat = [np.repeat(feats[r][None], k, 0) for r in range(len(rows))]
-        n_scratch = 0
+        # candidates of all rows at once, [R, C]: parent (candidate index, -1 = root), target
+        # token, path log-probability (float64, as summed), scratch node id once fed (-1 before)
+        size = k + (depth - 1) * k * k
+        parent = np.full((nr, size), -1, np.int64)
+        token = np.zeros((nr, size), np.int64)
+        score = np.full((nr, size), -np.inf)
+        scratch = np.full((nr, size), -1, np.int64)
+        top, lp = _top_logprobs(logits, k)                          # [R, k]
+        token[:, :k] = self.vocab[top]
+        score[:, :k] = lp
+        frontier = np.broadcast_to(np.arange(k), (nr, k)).copy()     # [R, k] candidates to feed
+        feed = np.repeat(feats[:, None], k, 1)                       # [R, k, H] their features
+        n, n_scratch, rr = k, 0, np.arange(nr)[:, None]
         for _ in range(depth - 1):
-            best_path = max(max(cand[r]["score"][c] for c in frontier[r]) for r in range(len(rows)))
-            if np.exp(best_path) < self.level_gate:       # no row's next level would pay
+            fscore = np.take_along_axis(score, frontier, 1)          # [R, k]
+            if np.exp(fscore.max()) < self.level_gate:               # no row's next level would pay
                 break
-            ids = np.array([[cand[r]["token"][c] for c in frontier[r]] for r in range(len(rows))])
-            par = np.array([[cand[r]["scratch"][cand[r]["parent"][c]] if cand[r]["parent"][c] >= 0 else -1
-                             for c in frontier[r]] for r in range(len(rows))], np.int32)
-            out = self.rt.forward(sids, ids, par, np.broadcast_to(np.arange(k), (len(rows), k)).copy(),
-                                  {"features": np.stack(parent_feat).astype(np.float32)})
-            lp = _log_softmax(out.logits)                          # [R, k, Vd]
-            hid = out.hidden.copy()
-            top = _topk(lp, k)                                     # [R, k, k]
-            for r in range(len(rows)):
-                new = []
-                for a, c in enumerate(frontier[r]):
-                    cand[r]["scratch"][c] = n_scratch + a
-                    for j in top[r, a]:
-                        cand[r]["parent"].append(c)
-                        cand[r]["token"].append(int(self.vocab[j]))
-                        cand[r]["score"].append(cand[r]["score"][c] + float(lp[r, a, j]))
-                        cand[r]["scratch"].append(-1)
-                        new.append((len(cand[r]["token"]) - 1, a))
-                best = sorted(new, key=lambda x: -cand[r]["score"][x[0]])[:k]
-                frontier[r] = [c for c, _ in best]
-                parent_feat[r] = hid[r, [a for _, a in best]]
-            n_scratch += k
+            fpar = np.take_along_axis(parent, frontier, 1)
+            par = np.where(fpar >= 0, np.take_along_axis(scratch, np.maximum(fpar, 0), 1), -1).astype(np.int32)
+            out = self.rt.forward(sids, np.take_along_axis(token, frontier, 1), par,
+                                  np.broadcast_to(np.arange(k), (nr, k)).copy(),
+                                  {"features": np.ascontiguousarray(feed, np.float32)})
+            np.put_along_axis(scratch, frontier, n_scratch + np.arange(k)[None], 1)
+            top, lp = _top_logprobs(out.logits, k)                   # [R, k, k]
+            new = fscore[:, :, None] + lp                            # [R, k, k] (float64)
+            block = slice(n, n + k * k)
+            parent[:, block] = np.repeat(frontier, k, 1)
+            token[:, block] = self.vocab[top].reshape(nr, k * k)
+            score[:, block] = new.reshape(nr, k * k)
+            best = np.argsort(-new.reshape(nr, k * k), 1, kind="stable")[:, :k]   # the next frontier
+            frontier = n + best
+            feed = out.hidden[rr, best // k]
+            n, n_scratch = n + k * k, n_scratch + k
         self.rt.commit(sids, [np.zeros(0, np.int64)] * len(sids))   # drop the scratch tree
         for r, i in enumerate(rows):
-            drafts[i] = self._select(seqs[i].root, cand[r], int(budget[r]))
+            drafts[i] = self._select(seqs[i].root, parent[r, :n], token[r, :n], score[r, :n], int(budget[r]))
         return drafts
 
     def _catch_up(self, seqs: list[SequenceState]) -> tuple[np.ndarray, np.ndarray]:
@@ -204,21 +202,21 @@ class EagleDrafter:
         return logits, root_feat
 
     @staticmethod
-    def _select(root: int, cand: dict, n: int) -> Draft:
-        """The n most probable candidates as a TokenTree (parents before children)."""
-        order = sorted(range(len(cand["score"])), key=lambda c: -cand["score"][c])[:n]
+    def _select(root: int, parent: np.ndarray, token: np.ndarray, score: np.ndarray, n: int) -> Draft:
+        """The n most probable candidates ([C] arrays) as a TokenTree (parents before children)."""
+        order = np.argsort(-score, kind="stable")[:n].tolist()
         keep = set(order)
         for c in order:                              # ancestor closure (ties could break it)
-            p = cand["parent"][c]
+            p = int(parent[c])
             while p >= 0 and p not in keep:
                 keep.add(p)
-                p = cand["parent"][p]
+                p = int(parent[p])
         depth = {}
         for c in sorted(keep):
-            p = cand["parent"][c]
+            p = int(parent[c])
             depth[c] = 1 if p < 0 else depth[p] + 1
-        nodes = sorted(keep, key=lambda c: (depth[c], -cand["score"][c]))
+        nodes = sorted(keep, key=lambda c: (depth[c], -score[c]))
         index = {c: i + 1 for i, c in enumerate(nodes)}
-        parents = [-1] + [index[cand["parent"][c]] if cand["parent"][c] >= 0 else 0 for c in nodes]
-        tokens = [root] + [cand["token"][c] for c in nodes]
+        parents = [-1] + [index[int(parent[c])] if parent[c] >= 0 else 0 for c in nodes]
+        tokens = [root] + [int(token[c]) for c in nodes]
         return Draft(TokenTree(np.array(parents, np.int32)), np.array(tokens, np.int64))
