@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build specdec engines and fill the Triton model repository (same as `specdec build`).
 
-    python build_engines.py --target PATH --device cpu --weights fp32,q4 [--draft PATH|self:N|eagle:DIR] \
+    python build_engines.py --target PATH --device cpu --weights gguf,fp32,q4 [--draft PATH|self:N|eagle:DIR] \
         --output model_repository
 
 PATH is a Hugging Face checkpoint directory or a .gguf file; without --target the embedded

@@ -29,7 +29,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
-                        "layers + head), eagle:DIR (trained head: ours, or EAGLE-1/2's published layout) or "
+                        "layers + head), eagle:DIR (trained head: ours, or EAGLE-1/2/3's published layout) or "
                         "medusa:DIR (Medusa-1 heads); repeatable (default for the "
                         "embedded target: self:4 and the committed EAGLE head)")
     p.add_argument("--output", default=DEFAULT_REPO, help="model repository to fill")

@@ -233,3 +233,17 @@ def test_confidence_gating_stops_growing_where_the_head_is_unsure(tiny):
         assert spec == plain and per_propose
         per_step[gate] = set(per_propose)
     assert per_step[1.0] == {0} and max(per_step[0.0]) == 3          # fewer near the end: small budgets
+
+
+def test_top_logprobs_are_the_k_best_of_the_log_softmax():
+    """The drafter's top-k (k argmax passes, log-softmax of the k entries only) against the full
+    log-softmax sorted; ties go to the lower index."""
+    from backend.drafters.eagle import _top_logprobs
+
+    x = np.random.default_rng(3).standard_normal((2, 3, 500)).astype(np.float32) * 4
+    x[1, 2, 10] = x[1, 2, 20] = x[1, 2].max() + 1.0               # a tie for first place
+    idx, lp = _top_logprobs(x, 4)
+    full = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
+    want = np.argsort(-full, -1, kind="stable")[..., :4]
+    assert np.array_equal(idx, want) and idx[1, 2, 0] == 10 and idx[1, 2, 1] == 20
+    np.testing.assert_allclose(lp, np.take_along_axis(full, want, -1), atol=1e-5)

@@ -40,7 +40,7 @@ def plain(built_repo, prompts):
     return [generate(dec, ids, DrafterKind.NONE)[0] for ids in prompts]
 
 
-HAS_HEAD = (__import__("backend.build.embedded", fromlist=["DEFAULT_HEAD"]).DEFAULT_HEAD / "head.safetensors").exists()
+HAS_HEAD = (__import__("backend.build.embedded", fromlist=["DEFAULT_HEAD"]).DEFAULT_HEAD / "model.safetensors").exists()
 CONFIGS = [
     ("prompt-lookup", dict(num_draft_tokens=3)),
     ("prompt-lookup", dict(num_draft_tokens=6, prompt_lookup_width=2)),

