@@ -154,14 +154,31 @@ def test_an_eagle3_head_trains_on_three_layers_and_is_written_in_the_reference_l
     assert abs(again["acc1"] - best["acc1"]) <= 2.0 / best["positions"]      # fp16 weights
 
 
-def test_a_trained_eagle3_head_builds_and_is_lossless(trained3):
+@pytest.fixture(scope="module")
+def built3(trained3):
+    """The trained EAGLE-3 head built with its target (gguf serving, fp32 beside it)."""
+    m, head_dir, _ = trained3
+    return build(BuildConfig(target=m.source, output=m.root.parents[2] / "repo2", quiet=True, measure_costs=False,
+                             drafts=(f"eagle:{head_dir}",)))
+
+
+def test_a_trained_eagle3_head_builds_and_is_lossless(built3):
     from backend.config import DrafterKind, ServeConfig, SpecConfig
     from backend.engine import make_decoder
     from conftest import assert_greedy_identity
 
-    m, head_dir, _ = trained3
-    m2 = build(BuildConfig(target=m.source, output=m.root.parents[2] / "repo2", quiet=True,
-                           measure_costs=False, drafts=(f"eagle:{head_dir}",)))
-    assert m2.engine().feature_layers == (2, 3, 3)
-    dec = make_decoder(ServeConfig(engine_dir=str(m2.root), spec=SpecConfig(auto_drafter=DrafterKind.EAGLE)))
+    assert built3.engine().feature_layers == (2, 3, 3) and built3.engine("fp32").feature_layers == (2, 3, 3)
+    dec = make_decoder(ServeConfig(engine_dir=str(built3.root), spec=SpecConfig(auto_drafter=DrafterKind.EAGLE)))
     assert_greedy_identity(dec, DrafterKind.EAGLE)
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "fp32"])
+def test_final_norm_features_extract_from_engines_built_for_eagle3(built3, tmp_path, fmt):
+    """Training an EAGLE-1-style head on a repository whose engines also output EAGLE-3's layer
+    features stores the final-norm part only (fp32: the graph has the layers built in)."""
+    from backend.train.data import extract_hidden
+    from backend.train.eagle_train import _load_shards
+
+    recs = [{"i": 0, "prompt_ids": [5, 9, 13, 5], "output_ids": [9, 13, 21, 40, 7]}]
+    seq = _load_shards(extract_hidden(built3.root, recs, tmp_path / "f", fmt))[0]
+    assert seq["feats"].shape == (9, built3.model.hidden_size)

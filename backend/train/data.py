@@ -97,7 +97,9 @@ def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: st
     paths = [out_dir / f"hidden_{k:04d}.npz" for k in range(len(shards))]
     if all(p.exists() for p in paths):
         return paths
-    rt = load_runtime(EngineManifest.load(engine_dir), fmt, feature_layers=feature_layers)
+    m = EngineManifest.load(engine_dir)
+    rt = load_runtime(m, fmt, feature_layers=feature_layers or None)     # None: the engine's own
+    width = m.model.hidden_size * (1 + len(feature_layers))                # what is stored of `hidden`
     total = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in records)
     bar = _bar(total, "features", "tok")
     for path, shard in zip(paths, shards):
@@ -114,7 +116,7 @@ def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: st
             out = rt.forward([0], ids[None], np.arange(-1, t - 1, dtype=np.int32)[None], rows[None])
             probe_top1.append(out.logits[0].argmax(-1).astype(np.int32))
             probe_pos.append((rows + offsets[-1]).astype(np.int64))
-            feats.append(out.hidden[0].astype(np.float16))
+            feats.append(out.hidden[0, :, :width].astype(np.float16))
             rt.free(0)
             tokens.append(ids.astype(np.int32))
             offsets.append(offsets[-1] + t)
