@@ -39,10 +39,10 @@ def head_dir(spec: str) -> Path:
 
 def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray, **extra) -> DraftEntry:
     """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved."""
-    from backend.drafters.head_formats import read_head
+    from backend.drafters.head_formats import head_meta, read_head
 
     cfg, w = read_head(head)
-    meta = {k: v for k, v in cfg.items() if k != "training"}
+    meta = head_meta(head, cfg)
     np.save(Path(engine_dir) / EAGLE_VOCAB, vocab)
     if cfg.get("layout") == "eagle3":
         np.save(Path(engine_dir) / EAGLE3_FC, np.asarray(w["fc"], np.float32))

@@ -38,7 +38,7 @@ _EAGLE_KEYS = {"fc.weight": "fc", "fc.bias": "fc_bias", "norm.weight": "norm",
                "layers.0.post_attention_layernorm.weight": "layers.0.mlp_norm",
                **{f"layers.0.self_attn.{n}_proj.weight": f"layers.0.{n}" for n in "qkvo"},
                **{f"layers.0.mlp.{n}_proj.weight": f"layers.0.{n}" for n in ("gate", "up", "down")}}
-_EAGLE3_KEYS = {"fc.weight": "fc", "norm.weight": "norm", "lm_head.weight": "lm_head", "d2t": "d2t",
+EAGLE3_KEYS = {"fc.weight": "fc", "norm.weight": "norm", "lm_head.weight": "lm_head", "d2t": "d2t",
                 "midlayer.input_layernorm.weight": "layers.0.attn_norm",
                 "midlayer.hidden_norm.weight": "layers.0.hidden_norm",
                 "midlayer.post_attention_layernorm.weight": "layers.0.mlp_norm",
@@ -124,15 +124,15 @@ def _layer_config(cfg_json: dict) -> dict:
 
 
 def _read_eagle3(head_dir: Path, cfg_json: dict, raw: dict) -> tuple[dict, dict[str, np.ndarray]]:
-    unknown = sorted(set(raw) - set(_EAGLE3_KEYS) - _IGNORED)
-    missing = sorted(set(_EAGLE3_KEYS) - set(raw))
+    unknown = sorted(set(raw) - set(EAGLE3_KEYS) - _IGNORED)
+    missing = sorted(set(EAGLE3_KEYS) - set(raw))
     if unknown or missing:
         raise HeadFormatError(f"{head_dir}: EAGLE-3 head with keys this reader does not know {unknown[:6]} "
                               f"or without {missing[:6]}")
     if cfg_json.get("norm_before_residual"):
         raise HeadFormatError(f"{head_dir}: norm_before_residual=true (the residual is the normed feature) is "
                               f"not supported; the EAGLE-3 reference's residual is the feature itself")
-    w = {_EAGLE3_KEYS[k]: np.asarray(v, np.float32) for k, v in raw.items() if k in _EAGLE3_KEYS}
+    w = {EAGLE3_KEYS[k]: np.asarray(v, np.float32) for k, v in raw.items() if k in EAGLE3_KEYS}
     hidden = int(cfg_json["hidden_size"])
     d2t = np.asarray(raw["d2t"]).astype(np.int64)
     w["draft_vocab"] = np.arange(d2t.size, dtype=np.int64) + d2t
@@ -167,7 +167,8 @@ def feature_layers(head_cfg: dict, num_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def head_meta(head_dir: Path) -> dict:
-    """What a manifest's DraftEntry records of a head (its config, without training history)."""
-    cfg, _ = read_head(head_dir)
+def head_meta(head_dir: Path, cfg: dict | None = None) -> dict:
+    """What a manifest's DraftEntry records of a head (its config, without training history);
+    `cfg`: the head's config already read (read_head), else it is read."""
+    cfg = read_head(head_dir)[0] if cfg is None else cfg
     return {k: v for k, v in cfg.items() if k != "training"}

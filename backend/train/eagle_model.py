@@ -152,11 +152,11 @@ class Eagle3Head(EagleHead):
         return out
 
     def load_weights(self, w: dict[str, np.ndarray]) -> None:
-        """From drafters/head_formats.read_head's names (an EAGLE-3 head's)."""
-        ours = {"attn_norm": "layers.0.attn_norm", "hidden_norm": "layers.0.hidden_norm",
-                "mlp_norm": "layers.0.mlp_norm", "final_norm": "norm", "fc": "fc",
-                **{n: f"layers.0.{n}" for n in ("q", "k", "v", "o", "gate", "up", "down")}}
+        """From drafters/head_formats.read_head's names (an EAGLE-3 head's), through the one map
+        from the reference's key names to ours."""
+        from backend.drafters.head_formats import EAGLE3_KEYS
+
         with torch.no_grad():
-            for n, key in ours.items():
-                getattr(self, n).weight.copy_(torch.from_numpy(np.asarray(w[key], np.float32)))
+            for n, key in _EAGLE3_NAMES.items():
+                getattr(self, n).weight.copy_(torch.from_numpy(np.asarray(w[EAGLE3_KEYS[key]], np.float32)))
             self.lm_head.copy_(torch.from_numpy(np.asarray(w["lm_head"], np.float32)))
