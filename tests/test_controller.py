@@ -343,3 +343,45 @@ def test_a_ragged_engine_prices_each_rows_own_nodes():
         assert c.budgets(seqs, [[]] * 16) == [0] * 16
     assert ragged.verify(16, 9, nodes=24) < padded.verify(16, 9)
     assert ragged.verify(16, 9) == padded.verify(16, 9)          # without a node count: padded
+
+
+def test_a_plain_choice_is_held_only_while_nothing_it_was_made_from_moves():
+    """An idle tree drafter's rows learn nothing from a plain step, so the choice of plain
+    decoding is kept for a few steps instead of being recomputed every step (it cost 1.5% of a
+    native step at 4 rows); a new row, a verified draft, a shorter backlog or HOLD_STEPS steps
+    make it choose again, and the new evidence can turn speculation on at once."""
+    from backend.controller.adaptive import HOLD_STEPS
+
+    cost = CostModel(GRID, [0.030 + 0.003 * m for m in GRID])
+    c = AdaptiveController(TRAITS, cost)
+    for size in (4, 8, 12, 16):
+        for _ in range(100):
+            c.trees._arm(DrafterKind.EAGLE, size).update(1.0)      # trees yield nothing here
+    calls = []
+    choose = c.choose_k
+    c.choose_k = lambda *a, **k: calls.append(1) or choose(*a, **k)
+    rows = [seq(0, DrafterKind.EAGLE), seq(1, DrafterKind.EAGLE)]
+
+    def plain_steps(n, backlog=50):
+        for _ in range(n):
+            assert c.budgets(rows, None, [backlog] * len(rows)) == [0] * len(rows)
+            c.observe_step(len(rows), 1, 0.0, cost.verify(len(rows), 1))
+            for s in rows:
+                c.observe(s, _Plain, None)
+    plain_steps(2 * HOLD_STEPS)
+    assert len(calls) == 2                                  # once per HOLD_STEPS steps
+    rows.append(seq(2, DrafterKind.EAGLE))                  # a row joins: chosen again at once
+    plain_steps(1)
+    assert len(calls) == 3
+    plain_steps(1, backlog=10)                              # a shorter backlog: again
+    assert len(calls) == 4
+
+    class V:
+        num_accepted = 3
+    for size in (4, 8, 12, 16):                             # the pool now says trees pay ...
+        for _ in range(100):
+            c.trees._arm(DrafterKind.EAGLE, size).update(4.0)
+    assert c.budgets(rows, None, [10] * 3) == [0] * 3       # ... but the held choice has not seen it
+    c.observe(rows[0], _Tree4, V)                           # a verified tree: evidence
+    assert c.budgets(rows, None, [10] * 3)[0] > 0
+    assert len(calls) == 5

@@ -8,6 +8,12 @@ per second, from four models that meet in `choose_k`:
     k*        = argmax_k tokens(k) / time'(k)                      (k = 0 is plain decoding)
     time'(k)  = time(0) + (1 + u) (time(k) - time(0))             priced with caution u = 0.25
 
+A choice of plain decoding is held for up to HOLD_STEPS steps while nothing it was made from
+has moved: the same rows, no draft verified (the acceptance models learn nothing), no catch-up
+backlog shorter. Between those, only the online cost correction and a fresh request's trust in
+the pool drift, by a fraction of a percent a step. An idle EAGLE drafter otherwise paid the
+whole choice every step: ~0.12-0.2 ms at 4 rows, 1.5% of a native-engine step (perf-notes §13d).
+
 The extra cost of speculating is priced 25% above its prediction: the prediction's error on a
 live server grows with that extra cost (a wide verify at 8 streams, predicted 2.6-3.0 plain
 steps, measured 3.2-4.5; at one stream a 6-wide verify is 1.2-1.3 steps and off by a few
@@ -28,6 +34,8 @@ from backend.controller.cost import CostCorrection, CostModel
 from backend.controller.trees import TREE_SIZES, TreeYields, tree_size
 from backend.sequence import SequenceState
 
+HOLD_STEPS = 8                   # steps a plain-decoding choice is kept while its inputs hold
+
 
 class AdaptiveController:
     wants_previews = True
@@ -47,8 +55,13 @@ class AdaptiveController:
         self.correction = CostCorrection(cost)
         self._ks = {k: ((0,) + tuple(z for z in TREE_SIZES if z <= t.max_budget) if t.tree
                         else tuple(range(t.max_budget + 1))) for k, t in traits.items()}
+        k_top = max((t.max_budget for t in traits.values()), default=0)
+        self._sizes = {k: [tree_size(min(j, t.max_budget)) for j in range(k_top + 1)]   # budget -> tree size
+                       for k, t in traits.items() if t.tree}
         self._now = 0                                  # steps observed: the models' clock
         self._predicted_draft = 0.0                    # of the step just budgeted
+        self._learned = 0                              # acceptance evidence observed (a clock)
+        self._hold = None                              # (rows key, backlogs, until step) of k* = 0
 
     def expected_tokens(self, seq: SequenceState, k: int) -> float:
         """E[tokens emitted in one step] for sequence `seq` with a draft budget of k."""
@@ -78,7 +91,14 @@ class AdaptiveController:
         free = [seqs[i] for i in rows]
         avail = [None if previews[i] is None else len(previews[i]) for i in rows]
         behind = [backlogs[i] for i in rows]
-        k_star = self.choose_k(free, len(seqs), avail, behind) if free else 0
+        key = (len(seqs), tuple(s.seq_id for s in free), tuple(avail), self._learned)
+        hold = self._hold
+        if free and hold is not None and hold[0] == key and self._now < hold[2] \
+                and all(b >= h for b, h in zip(behind, hold[1])):
+            k_star = 0                    # held: nothing the plain choice was made from moved
+        else:
+            k_star = self.choose_k(free, len(seqs), avail, behind) if free else 0
+            self._hold = (key, behind, self._now + HOLD_STEPS) if free and not k_star else None
         kinds = {s.drafter for s in free}
         self._predicted_draft = (self._draft_cost(kinds, len(seqs), k_star)
                                  + self.catch_up.cost_of(free, behind)) if k_star else 0.0
@@ -106,16 +126,21 @@ class AdaptiveController:
             ks.update(self._ks[kd])
         draft_ratio = self.correction.draft_ratio(batch, self._now)       # once per step, not per k
         plain_cost = self.verify_cost(batch, 1)
+        # per tree row, its tree size at each budget and its yield at each size (once, not per k)
+        tree_rows = []
+        for s in trees:
+            sizes = self._sizes[s.drafter]
+            tree_rows.append((sizes, {z: self.trees.expected(s, z, self._now) if z else 1.0 for z in set(sizes)}))
         best_k, best = 0, -1.0
         for k in sorted(ks):
             if k > reach:
                 break
             tokens = (plain_rows + chain_tokens[min(k, self.max_k)]
-                      + sum(self.expected_tokens(s, k) for s in trees))
+                      + sum(y[sizes[k]] for sizes, y in tree_rows))
             # a ragged engine computes each row's own nodes: a row without a match costs one
             nodes = (plain_rows + sum(1 + min(k, self.traits[s.drafter].max_budget, k if a is None else a)
                                       for s, a in chains)
-                     + sum(1 + tree_size(min(k, self.traits[s.drafter].max_budget)) for s in trees))
+                     + sum(1 + sizes[k] for sizes, _ in tree_rows))
             cost = self.verify_cost(batch, k + 1, nodes)
             if k:
                 cost += (self._draft_cost(kinds, batch, k) + catch_up) * draft_ratio
@@ -129,19 +154,23 @@ class AdaptiveController:
         if seq.drafter is DrafterKind.NONE:
             return
         depth = draft.tree.max_depth
-        self.catch_up.track(seq, depth > 0)
+        if self.catch_up.track(seq, depth > 0):
+            self._learned += 1                         # a drafting run ended: its mean moved
         if self.traits[seq.drafter].tree:
             size = tree_size(draft.num_draft_tokens)
             if depth and size:
                 self.trees.observe(seq, size, verdict.num_accepted, self._now)
+                self._learned += 1
             return
         self.chains.observe(seq, depth, verdict.num_accepted, verdict.output_ids)
+        self._learned += 1              # chains learn from every step (previews are scored)
 
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float, nodes: int | None = None) -> None:
         self._now += 1
         self.correction.observe(batch, width, draft_s, verify_s, self._predicted_draft, self._now, nodes)
 
     def forget(self, seq: SequenceState) -> None:
+        self._learned += 1                             # a drafting run may end
         self.catch_up.end_run(seq)
         self.chains.forget(seq)
         self.trees.forget(seq)

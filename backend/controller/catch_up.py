@@ -47,13 +47,15 @@ class CatchUp:
         arm = self._runs.get(kind)
         return RUN_PRIOR if arm is None else arm.mean
 
-    def track(self, seq: SequenceState, drafted: bool) -> None:
-        """Count a request's consecutive drafting steps; a finished run updates its kind's mean."""
+    def track(self, seq: SequenceState, drafted: bool) -> bool:
+        """Count a request's consecutive drafting steps; a finished run updates its kind's mean
+        (-> True when it did)."""
         n = self._run_len.get(seq.seq_id, 0)
         if drafted:
             self._run_len[seq.seq_id] = n + 1
         elif n:
             self.end_run(seq)
+        return bool(n) and not drafted
 
     def end_run(self, seq: SequenceState) -> None:
         n = self._run_len.pop(seq.seq_id, 0)
