@@ -43,20 +43,23 @@ def _top_logprobs(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class HostFC:
-    """An EAGLE-3 head's fc [H, 3H] on the host: on the native kernel's blocked matmul, one
-    thread, where the install compiled it (numpy's OpenBLAS wakes its own threads for each
-    few-row product, and they fight the engine's threads for the cores: measured, EAGLE-3
-    drafting went from 0.27 to 0.47 of step time, perf-notes §13); numpy elsewhere."""
+    """An EAGLE-3 head's fc [H, 3H] on the host: on the native kernel's blocked matmul, where the
+    install compiled it, with the engine's own OpenMP threads (numpy's OpenBLAS wakes threads of
+    its own for each few-row product, and they fight the engine's threads for the cores:
+    measured, EAGLE-3 drafting went from 0.27 to 0.47 of step time, perf-notes §13; on the
+    kernel's pool, 2 threads against 1 cut the fc from 0.17 to 0.10 ms a step, §13e); numpy
+    elsewhere."""
 
-    def __init__(self, w: np.ndarray):
+    def __init__(self, w: np.ndarray, threads: int = 1):
         from backend.runtime import native
 
         self.w = np.asarray(w, np.float32)                      # [H, 3H]
         self.blocked = native.BlockedMatrix(self.w) if native.compiled() else None
+        self.threads = max(1, int(threads))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.blocked is not None:
-            return self.blocked(x)
+            return self.blocked(x, self.threads)
         return x @ self.w.T
 
 
@@ -116,7 +119,8 @@ class EagleDrafter:
         vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
         gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
         extra = manifest.drafts["eagle"].extra
-        fc = HostFC(np.load(manifest.resolve(extra["fc_path"]))) if "fc_path" in extra else None
+        fc = (HostFC(np.load(manifest.resolve(extra["fc_path"])), getattr(rt, "threads", 1))
+              if "fc_path" in extra else None)
         return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:

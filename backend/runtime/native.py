@@ -104,8 +104,8 @@ def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndar
 
 
 class BlockedMatrix:
-    """y = x W^T for a float matrix W [N, K] held in Q8_0 blocks, run by the kernel alone on the
-    calling thread: host-side products between engine steps (an EAGLE-3 head's fc,
+    """y = x W^T for a float matrix W [N, K] held in Q8_0 blocks, run by the kernel alone (on the
+    calling thread, or the kernel's OpenMP pool, the engine's own): host-side products between engine steps (an EAGLE-3 head's fc,
     drafters/eagle.py), where numpy's OpenBLAS would start threads of its own that fight the
     engine's OpenMP threads for the cores (perf-notes §13)."""
 
@@ -115,8 +115,8 @@ class BlockedMatrix:
         self.n_out = w.shape[0]
         self.kind, self.data, self.rows, self.cols = blocked(w)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return blocked_matmul(self.kind, self.data, self.rows, self.cols, x, threads=1)[:, : self.n_out]
+    def __call__(self, x: np.ndarray, threads: int = 1) -> np.ndarray:
+        return blocked_matmul(self.kind, self.data, self.rows, self.cols, x, threads)[:, : self.n_out]
 
 
 class NativeModel:
