@@ -25,7 +25,6 @@ from backend.config import DrafterKind, SpecConfig
 from backend.controller import Controller, FixedController
 from backend.drafters.base import Draft, Drafter
 from backend.kv_cache import PAD_PARENT
-from backend.kv_cache import PAD_PARENT
 from backend.runtime.base import Runtime
 from backend.sampling import PositionNoise, target_token
 from backend.sequence import (Request, RequestLimits, SequenceState, StepOutput, TextState,
