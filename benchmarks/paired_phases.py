@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend.bench import paired_bench as pb                       # noqa: E402
 from backend.bench.concurrency_bench import level_requests         # noqa: E402
 from backend.cli import _prompts                                   # noqa: E402
-from backend.config import DrafterKind, SamplingParams              # noqa: E402
+from backend.config import SamplingParams                          # noqa: E402
 from backend.engine import make_decoder                            # noqa: E402
 from backend.runtime.ort import shared_sessions                    # noqa: E402
-from backend.sequence import Request                               # noqa: E402
 
 DECODER = ("_budgets", "_propose", "prefill", "step", "start", "finish")
 TARGET = ("forward", "verify", "commit")
@@ -76,20 +74,13 @@ def main() -> None:
 
     tok = dec[names[0]].tok
     kind = {"plain": "none", "control": "none", "auto": args.drafter, "fixed": args.drafter}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     ids: dict = {}
 
-    def maker(mode):
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-
-        def make(p):
-            key = json.dumps(p["messages"])
-            if key not in ids:
-                ids[key] = tuple(tok.encode(tok.apply_chat_template(p["messages"])))
-            return Request(ids[key], params, DrafterKind(kind[mode]), 5 if mode == "fixed" else None)
-        return make
-
     def modes(reqs, n):
-        out = [pb._Mode(m, dec[m], cfg.max_batch, maker(m), reqs, n) for m in names]
+        out = [pb._Mode(m, dec[m], cfg.max_batch,
+                        pb.request_maker(tok, params, kind[m], 5 if m == "fixed" else None, ids), reqs, n)
+               for m in names]
         for mode in out:
             def iterate(block=False, _it=mode.sched.iterate, _m=mode.name):
                 current[0] = _m

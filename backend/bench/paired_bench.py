@@ -110,6 +110,20 @@ class _Mode:
                 "draft_tokens_per_output_token": drafts / max(1, tokens)}
 
 
+def request_maker(tok, params, kind: str, k: int | None, cache: dict):
+    """prompt record -> Request for one mode (drafter `kind`, fixed budget `k` or None); the
+    chat-templated ids are tokenized once per prompt across modes (`cache`)."""
+    from backend.config import DrafterKind
+    from backend.sequence import Request
+
+    def make(p):
+        key = json.dumps(p["messages"])
+        if key not in cache:
+            cache[key] = tuple(tok.encode(tok.apply_chat_template(p["messages"])))
+        return Request(cache[key], params, DrafterKind(kind), k)
+    return make
+
+
 def run_level(modes: list[_Mode], seed: int) -> None:
     """Drive the modes' schedulers one iteration each, in a random order per cycle, until every
     client has finished; each iteration's time is charged to its mode."""
@@ -139,10 +153,9 @@ def run_level(modes: list[_Mode], seed: int) -> None:
 def main(args) -> dict:
     from backend.build.pipeline import ENGINE_SUBDIR
     from backend.cli import _prompts
-    from backend.config import DrafterKind, SamplingParams
+    from backend.config import SamplingParams
     from backend.engine import make_decoder
     from backend.runtime.ort import shared_sessions
-    from backend.sequence import Request
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
     rounds = max(1, int(getattr(args, "rounds", 2)))
@@ -160,17 +173,8 @@ def main(args) -> dict:
     with shared_sessions():
         dec = {m: make_decoder(cfg) for m in ("plain", "control", "auto", "fixed")}
     tok = dec["plain"].tok
-    ids = {}
-
-    def request_maker(kind: str, k: int | None):
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
-
-        def make(p):
-            key = json.dumps(p["messages"])
-            if key not in ids:
-                ids[key] = tuple(tok.encode(tok.apply_chat_template(p["messages"])))
-            return Request(ids[key], params, DrafterKind(kind), k)
-        return make
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+    ids: dict = {}
 
     specs = {"plain": (dec["plain"], "none", None), "fixed": (dec["fixed"], drafter, 5),
              "auto": (dec["auto"], drafter, None), "control": (dec["control"], "none", None)}
@@ -180,7 +184,7 @@ def main(args) -> dict:
     main_modes = ["plain", "fixed", "auto", "control"]
 
     def modes_for(names, reqs, n):
-        return [_Mode(m, specs[m][0], cfg.max_batch, request_maker(specs[m][1], specs[m][2]), reqs, n)
+        return [_Mode(m, specs[m][0], cfg.max_batch, request_maker(tok, params, specs[m][1], specs[m][2], ids), reqs, n)
                 for m in names]
 
     # warm-up, not measured: ORT's first-call allocations, the controller's first estimates

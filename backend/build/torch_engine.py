@@ -91,6 +91,7 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
     with tempfile.TemporaryDirectory() as tmp:
         rt = _fp32_runtime(ck, max_seq_len, tmp, features)
         probe = _fp32_runtime(head, max_seq_len, tmp) if head is not None else rt
+    fc = None if head_fc is None else HostFC(head_fc)                 # repacked once, not per prompt
     linears = probe.model.linears()
     for lin in linears.values():
         lin.amax = []
@@ -99,8 +100,7 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
         rt.alloc(i)
         out = rt.forward([i], ids[None], np.arange(-1, ids.size - 1, dtype=np.int32)[None], np.array([[ids.size - 1]]))
         if head is not None:
-            feats = head_features(out.hidden[0, :-1], ck.config.hidden_size,
-                                  None if head_fc is None else HostFC(head_fc))
+            feats = head_features(out.hidden[0, :-1], ck.config.hidden_size, fc)
             probe.alloc(i)
             probe.forward([i], ids[None, 1:], np.arange(-1, ids.size - 2, dtype=np.int32)[None],
                           np.array([[ids.size - 2]]), {"features": feats[None]})

@@ -69,7 +69,7 @@ class AdaptiveController:
             return 1.0
         t = self.traits[seq.drafter]
         if t.tree:
-            size = tree_size(min(k, t.max_budget))
+            size = self._sizes[seq.drafter][min(k, t.max_budget)]
             return self.trees.expected(seq, size, self._now) if size else 1.0
         return float(self.chains.curve(seq)[min(k, self.max_k)])
 

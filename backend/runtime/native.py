@@ -105,8 +105,8 @@ def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndar
 
 class BlockedMatrix:
     """y = x W^T for a float matrix W [N, K] held in Q8_0 blocks, run by the kernel alone (on the
-    calling thread, or the kernel's OpenMP pool, the engine's own): host-side products between engine steps (an EAGLE-3 head's fc,
-    drafters/eagle.py), where numpy's OpenBLAS would start threads of its own that fight the
+    calling thread, or on the kernel's OpenMP pool, the engine's own): host-side products between
+    engine steps (an EAGLE-3 head's fc, drafters/eagle.py), where numpy's OpenBLAS would start threads of its own that fight the
     engine's OpenMP threads for the cores (perf-notes §13)."""
 
     def __init__(self, w: np.ndarray):
