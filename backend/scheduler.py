@@ -82,10 +82,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._active or self._prefilling or self._waiting or not self._incoming.empty())
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the loop, then end every request it held (cancelled). The loop thread owns the
+        requests' response senders: if it does not stop in time they are left to it, never
+        touched from two threads at once (a Triton 2.51 response factory freed twice)."""
         self._running = False
         if self._thread.is_alive():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                log.error("scheduler loop still running %.0fs after close; its requests are left to it", timeout_s)
+                return
+        while not self._incoming.empty():
+            self._waiting.append(self._incoming.get_nowait())
         for e in list(self._waiting) + list(self._prefilling) + self._active:
             self._finish(e, cancelled=True)
 

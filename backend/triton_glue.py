@@ -6,12 +6,32 @@ response senders as scheduler Sinks (streaming or one final response), error map
 (RequestError -> INVALID_ARG naming the field, Overloaded -> UNAVAILABLE, anything else ->
 INTERNAL, the final flag always sent), a metrics registry over the Python backend's custom
 metrics, and the engine-holding Service of `generator` (triton_relay.py: `specdec`).
+
+Three rules keep a model process alive on Triton 2.51's Python backend (r24.10), whose C++ side
+drops some Python objects without the GIL (docs/perf-notes.md section 14 has the evidence):
+- a response carries only the outputs its request asked for (`requested_outputs`):
+  `ResponseSender.send` releases the GIL and then deletes every unrequested tensor, which frees
+  that tensor's numpy array without the GIL (a race with the thread that holds it: heap
+  corruption, crashes inside libpython);
+- a BLS response stream is read through `bls_stream`, which keeps the iterator (and the numpy
+  arrays of every response it stored) referenced from Python until the stub's cleanup thread has
+  dropped its own reference: that thread drops it without the GIL, and if it is the last owner
+  the arrays are freed there;
+- a model that made Python backend objects with native destructors releases them in its
+  `finalize` (`release_bls`, `TritonRegistry.close`): at interpreter exit the stub is gone and a
+  metric's destructor writes through its null shared-memory pool ("segfault at 60").
+A model process also dumps every thread's stack on a fatal signal (`enable_fault_log`).
 """
 from __future__ import annotations
 
+import collections
+import faulthandler
 import json
 import logging
+import os
+import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -87,12 +107,93 @@ def stop_generator(pb, key: str) -> None:
         pb.Tensor(triton_io.STOP, np.array([[True]])),
         pb.Tensor(triton_io.SEQUENCE_KEY, np.array([[key.encode() if isinstance(key, str) else key]], np.object_)),
         pb.Tensor(triton_io.INPUT_IDS, np.zeros((1, 1), np.int32))])
-    for _ in stop.exec(decoupled=True):
+    for _ in bls_stream(stop):
         pass
 
 
-def tensors(pb, arrays: dict):
-    return [pb.Tensor(k, v) for k, v in arrays.items()]
+def requested_outputs(request) -> frozenset[str]:
+    """The outputs a request asked for (Triton fills in every output when a client names none)."""
+    return frozenset(request.requested_output_names())
+
+
+def tensors(pb, arrays: dict, wanted: frozenset[str] | None = None):
+    """pb.Tensors of `arrays`, only those in `wanted` when given: never hand send() a tensor it
+    would drop without the GIL (module docstring)."""
+    return [pb.Tensor(k, v) for k, v in arrays.items() if wanted is None or k in wanted]
+
+
+class _LateRelease:
+    """Finished BLS response iterators, held for `grace_s` after their stream ended.
+
+    The stub's cleanup thread erases its reference to a finished iterator moments after the final
+    response (pb_stub.cc SendCleanupId, without the GIL); holding ours longer makes the last
+    reference, and with it every stored response's numpy arrays, go under the GIL. The grace is
+    orders of magnitude above that moment (a queue of parent round trips, milliseconds)."""
+
+    def __init__(self, grace_s: float = 5.0):
+        self.grace_s = grace_s
+        self._held: collections.deque = collections.deque()     # (time, iterator), oldest first
+        self._lock = threading.Lock()
+
+    def hold(self, obj) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._held.append((now, obj))
+            old = []
+            while self._held and now - self._held[0][0] >= self.grace_s:
+                old.append(self._held.popleft())
+        del old                                                  # dropped here, with the GIL
+
+    def release_all(self) -> None:
+        """Wait out the newest iterator's grace, then drop them all (a model's finalize)."""
+        with self._lock:
+            newest = self._held[-1][0] if self._held else None
+        if newest is not None:
+            time.sleep(max(0.0, self.grace_s - (time.monotonic() - newest)))
+        with self._lock:
+            held, self._held = self._held, collections.deque()
+        del held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_LATE = _LateRelease()
+
+
+def bls_stream(request):
+    """The responses of a decoupled BLS request; the iterator outlives the stream by a grace
+    period (_LateRelease), so the stub never frees a response's arrays without the GIL."""
+    it = request.exec(decoupled=True)
+    try:
+        yield from it
+    finally:
+        _LATE.hold(it)
+
+
+def release_bls() -> None:
+    """Drop the held BLS iterators while the stub still runs (a model's finalize)."""
+    _LATE.release_all()
+
+
+def enable_fault_log(args: dict) -> None:
+    """On a fatal signal (SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL) dump every thread's Python
+    stack before the process ends: into `$SPECDEC_FAULT_DIR/<instance>.<pid>.log` when the
+    launcher set that (the supervisor reports its last lines when the process dies; our
+    warnings and errors go there too), else to stderr (the server log)."""
+    fault_dir = os.environ.get("SPECDEC_FAULT_DIR")
+    if not fault_dir:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        return
+    name = args.get("model_instance_name", args.get("model_name", "model"))
+    f = open(Path(fault_dir) / f"{name}.{os.getpid()}.log", "a", buffering=1)
+    faulthandler.enable(file=f, all_threads=True)                 # faulthandler keeps `f` open
+    root = logging.getLogger("specdec")
+    if not root.handlers:                                         # stderr as before, and the file
+        for handler in (logging.StreamHandler(sys.stderr), logging.StreamHandler(f)):
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+            root.addHandler(handler)
 
 
 class ResponseSink:
@@ -102,9 +203,11 @@ class ResponseSink:
     everything, carrying the final flag (so HTTP /generate works). Always ends with FINAL.
     """
 
-    def __init__(self, pb, sender, encode, stream: bool, batched: bool, split_errors: bool = False):
+    def __init__(self, pb, sender, encode, stream: bool, batched: bool, split_errors: bool = False,
+                 wanted: frozenset[str] | None = None):
         self.pb, self.sender, self.encode = pb, sender, encode
         self.stream, self.batched = stream, batched
+        self.wanted = wanted                      # the request's outputs (None: all we make)
         self.split_errors = split_errors
         self.last: StepOutput | None = None
         self.parts: list[str] = []
@@ -113,17 +216,16 @@ class ResponseSink:
         self.closed = False
         self._lock = threading.Lock()
 
-    def _arrays(self, out: StepOutput, text: str, whole: bool) -> dict:
+    def _tensors(self, out: StepOutput, text: str, whole: bool) -> list:
         arrays = self.encode(out, text, whole, self.ids)
-        return triton_io.with_batch_dim(arrays) if self.batched else arrays
+        return tensors(self.pb, triton_io.with_batch_dim(arrays) if self.batched else arrays, self.wanted)
 
     def send(self, out: StepOutput) -> None:
         self.last = out
         self.ids.extend(out.new_ids)
         if self.stream:
             if out.text or out.finished or out.new_ids:
-                self.sender.send(self.pb.InferenceResponse(
-                    output_tensors=tensors(self.pb, self._arrays(out, out.text, False))))
+                self.sender.send(self.pb.InferenceResponse(output_tensors=self._tensors(out, out.text, False)))
         else:
             self.parts.append(out.text)
 
@@ -149,7 +251,8 @@ class ResponseSink:
             self.closed = True
 
     def cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        # never ask after the final flag: Triton 2.51 would look up the freed response factory
+        return self.closed or self.sender.is_cancelled()
 
     def close(self) -> None:
         with self._lock:
@@ -158,9 +261,7 @@ class ResponseSink:
             self.closed = True
             final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
             if not self.stream and self.last is not None and not self.failed:
-                whole = self.last
-                resp = self.pb.InferenceResponse(output_tensors=tensors(
-                    self.pb, self._arrays(whole, "".join(self.parts), True)))
+                resp = self.pb.InferenceResponse(output_tensors=self._tensors(self.last, "".join(self.parts), True))
                 self.sender.send(resp, flags=final)
             else:
                 self.sender.send(flags=final)
@@ -201,6 +302,12 @@ class TritonRegistry:
         return self._family(name, description, self.pb.MetricFamily.HISTOGRAM).Metric(
             labels=labels, buckets=[float(b) for b in buckets])
 
+    def close(self) -> None:
+        """Delete the families now, while the stub runs: each clears its metrics, so neither a
+        family nor a metric has anything left to send when Python drops it at exit (where the
+        stub's shared memory is gone: the shutdown segfault)."""
+        self.families.clear()
+
 
 class Service:
     """Decoder + continuous-batching scheduler + metrics behind the `generator` model instance,
@@ -218,7 +325,8 @@ class Service:
         cfg = serve_config(args)
         self.max_queue = int(model_parameters(args).get("max_queue_size", 256) or 256)
         self.decoder = make_decoder(cfg)
-        self.metrics = Metrics(TritonRegistry(pb), {"model": args["model_name"]})
+        self.registry = TritonRegistry(pb)
+        self.metrics = Metrics(self.registry, {"model": args["model_name"]})
         from backend.drafters.remote import RemoteDrafter
 
         for d in self.decoder.drafters.values():
@@ -253,8 +361,10 @@ class Service:
                 arrays[triton_io.TEXT_START][0] = 0
             return arrays
         sink = ResponseSink(pb, request.get_response_sender(), encode, parsed.stream, parsed.batched,
-                            split_errors=key.startswith(triton_io.RELAY_KEY_PREFIX))
+                            split_errors=key.startswith(triton_io.RELAY_KEY_PREFIX),
+                            wanted=requested_outputs(request))
         self.scheduler.submit(parsed.request, sink, key)
 
     def close(self) -> None:
         self.scheduler.close()
+        self.registry.close()

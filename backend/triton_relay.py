@@ -7,7 +7,10 @@ all of it in one for a non-streaming request). So this process holds no engine a
 A client cancel becomes a `stop` request for the generator's sequence (the same path as the
 ensemble's). BLS loses an error's code on Triton 2.51 (it arrives as INTERNAL), so the relay
 restores it from the message: our client errors start with the input's name (`top_p: ...`),
-overload with `unavailable:` (triton_io.error_code).
+overload with `unavailable:` (triton_io.error_code). Each request's thread is the only one that
+touches its response sender; the BLS stream and the responses follow triton_glue's rules for
+Triton 2.51 (only requested outputs, BLS iterators released late), and `close` (the model's
+finalize) waits for every relay thread, so none runs on while the stub tears down.
 Knows: BLS, the generator's tensors. Does not know: tokens, decoding.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -33,17 +37,43 @@ class TextRelay:
         self.pb = pb
         self._keys = itertools.count()
         self._prefix = f"{triton_io.RELAY_KEY_PREFIX}{os.getpid()}-"
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
 
     def handle(self, request) -> None:
         try:
             inputs = triton_glue.request_inputs(request)
             stream, batched = triton_io.flags(inputs)
+            wanted = triton_glue.requested_outputs(request)
         except Exception as exc:
             triton_glue.fail_request(self.pb, request, exc)
             return
         key = f"{self._prefix}{next(self._keys)}"
-        threading.Thread(target=self._relay, args=(request, inputs, stream, batched, key), daemon=True,
-                         name=f"relay-{key}").start()
+        thread = threading.Thread(target=self._run, args=(request, inputs, stream, batched, wanted, key),
+                                  daemon=True, name=f"relay-{key}")
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for the relay threads (Triton finalizes a model once its streams have ended, so
+        they are past their final response), then drop the held BLS iterators."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in threads if t.is_alive()]
+        if alive:
+            log.error("%d relay thread(s) still running at finalize: %s", len(alive), alive[:4])
+        triton_glue.release_bls()
+
+    def _run(self, *args) -> None:
+        try:
+            self._relay(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
     def _generator_request(self, inputs: dict, key: str):
         pb = self.pb
@@ -54,13 +84,13 @@ class TextRelay:
         return pb.InferenceRequest(model_name=GENERATOR, inputs=tensors, request_id=key,
                                    requested_output_names=[triton_io.TEXT_OUTPUT, *triton_io.STAT_OUTPUTS])
 
-    def _relay(self, request, inputs, stream: bool, batched: bool, key: str) -> None:
+    def _relay(self, request, inputs, stream: bool, batched: bool, wanted: frozenset[str], key: str) -> None:
         pb = self.pb
         sender = request.get_response_sender()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         parts, last, done, sent = [], None, False, False
         try:
-            for resp in self._generator_request(inputs, key).exec(decoupled=True):
+            for resp in triton_glue.bls_stream(self._generator_request(inputs, key)):
                 if done:
                     continue                                  # drain after a cancel or an error
                 if resp.has_error():
@@ -78,7 +108,7 @@ class TextRelay:
                     continue                                  # the empty final response
                 last = out
                 if stream:
-                    self._send(sender, out, batched)
+                    self._send(sender, out, batched, wanted)
                 else:
                     parts.append(np.asarray(out[triton_io.TEXT_OUTPUT]).reshape(-1)[0].decode("utf-8"))
             if done:
@@ -92,14 +122,14 @@ class TextRelay:
                     "server log)", pb.TritonError.INTERNAL)), flags=final)
             elif not stream and last is not None:
                 last[triton_io.TEXT_OUTPUT] = np.array(["".join(parts).encode("utf-8")], np.object_)
-                self._send(sender, last, batched, flags=final)
+                self._send(sender, last, batched, wanted, flags=final)
             else:
                 sender.send(flags=final)
         except Exception as exc:
             log.exception("relay to %s failed", GENERATOR)
             sender.send(triton_glue.error_response(pb, exc, internal=True), flags=final)
 
-    def _send(self, sender, out: dict, batched: bool, flags: int = 0) -> None:
+    def _send(self, sender, out: dict, batched: bool, wanted: frozenset[str], flags: int = 0) -> None:
         arrays = triton_io.relay_outputs(out)
         arrays = triton_io.with_batch_dim(arrays) if batched else arrays
-        sender.send(self.pb.InferenceResponse(output_tensors=triton_glue.tensors(self.pb, arrays)), flags=flags)
+        sender.send(self.pb.InferenceResponse(output_tensors=triton_glue.tensors(self.pb, arrays, wanted)), flags=flags)

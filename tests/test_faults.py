@@ -89,13 +89,14 @@ def test_a_killed_model_process_ends_its_streams_and_the_server_serves_again(sup
     srv = supervised.server
     prompt = "Write a long story about a lighthouse keeper."
     expected = offline_text(built_repo, prompt, 24)
-    for victim in ("generator_0_0", "specdec_0_0"):
+    # SIGSEGV: what a native crash does (faulthandler dumps the stacks first); SIGKILL: an OOM kill
+    for victim, sig in (("generator_0_0", signal.SIGSEGV), ("specdec_0_0", signal.SIGKILL)):
         s = Stream(srv.grpc_url, "specdec", prompt, max_tokens=400)
         while len(s.chunks) < 3 and not s.done.is_set():
             time.sleep(0.02)
         pid = srv.stubs()[victim][0]
         t0 = time.time()
-        os.kill(pid, signal.SIGKILL)                 # what an OOM kill or a native crash does
+        os.kill(pid, sig)
         assert s.done.wait(15), f"the stream of a killed {victim} never ended"
         ended = time.time() - t0
         assert s.error is not None, "a cut stream must end with an error, not a final response"
@@ -113,8 +114,12 @@ def test_a_killed_model_process_ends_its_streams_and_the_server_serves_again(sup
         assert collect(spclient.stream_grpc, srv.grpc_url, "specdec", prompt, max_tokens=24)[0] == expected
         assert collect(spclient.stream_grpc, srv.grpc_url, "ensemble", prompt, max_tokens=24)[0] == expected
         print(f"{victim} killed: stream ended in {ended:.2f}s, serving again in {recovered:.1f}s")
-    assert [r["reason"] for r in supervised.restarts] == [
-        "model process generator_0_0 died", "model process specdec_0_0 died"]
+    seg, kill = supervised.restarts
+    assert re.fullmatch(r"model process generator_0_0 \(pid \d+, killed by signal 11 \(SIGSEGV\)\) died", seg["reason"]), seg
+    assert re.fullmatch(r"model process specdec_0_0 \(pid \d+, killed by signal 9 \(SIGKILL\)\) died", kill["reason"]), kill
+    dump = "\n".join(seg["last_lines"]["generator_0_0"])
+    assert "Fatal Python error: Segmentation fault" in dump or "Current thread" in dump, dump
+    assert "specdec-scheduler" in dump or "scheduler.py" in dump, dump     # every thread's stack
 
 
 def test_health_command_passes_on_a_serving_server_and_fails_on_a_dead_one(supervised):
@@ -212,8 +217,8 @@ def test_an_internal_error_mid_stream_ends_every_stream_with_an_error(built_repo
     repo = repo_with(built_repo, tmp_path / "repo")
     model = repo / "generator" / "1" / "model.py"
     model.write_text(model.read_text().replace(
-        "self.service = Service(pb_utils, args)",
-        "self.service = Service(pb_utils, args)\n"
+        "self.service = triton_glue.Service(pb_utils, args)",
+        "self.service = triton_glue.Service(pb_utils, args)\n"
         "        def step(seqs):\n"
         "            raise RuntimeError('injected step failure')\n"
         "        self.service.decoder.step = step"))

@@ -134,3 +134,147 @@ def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_p
     native, onnx = outs
     assert (native.argmax(-1) == onnx.argmax(-1)).mean() >= 0.8
     assert np.abs(native - onnx).max() <= 0.1 * np.abs(onnx).max()
+
+
+def test_the_ctypes_boundary_refuses_what_would_write_out_of_bounds(tiny):
+    """Slot indices, columns, positions, ids, feature shapes and a closed runtime are checked
+    before the kernel writes (decode.c check_step, NativeRuntime._check_shapes): a Python error,
+    never a write past a buffer, and the runtime serves on (issue 31)."""
+    from backend.runtime import load_runtime
+
+    m = tiny[0]
+    rt = load_runtime(m, "gguf")
+    ids = np.arange(3, 10)[None]
+    rt.alloc(0)
+    seq = rt.slots._seqs[0]
+    for field, bad, error in (("slot", rt.capacity + 3, IndexError), ("length", rt.columns + 5, (IndexError, ValueError))):
+        good = getattr(seq, field)
+        setattr(seq, field, bad)                          # a corrupted slot table
+        with pytest.raises(error):
+            rt.forward([0], ids, chain(ids.size), np.array([[ids.size - 1]]))
+        setattr(seq, field, good)
+    with pytest.raises(IndexError, match="input id"):
+        rt.forward([0], np.array([[3, m.model.vocab_size + 10 ** 6]]), chain(2), np.array([[1]]))
+    out = rt.forward([0], ids, chain(ids.size), np.array([[ids.size - 1]]))
+    assert np.isfinite(out.logits).all()                  # the table repaired, the runtime serves
+    rt.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        rt.forward([0], ids, chain(ids.size), np.array([[0]]))
+    head = load_runtime(m, engine="eagle")
+    head.alloc(0)
+    with pytest.raises(ValueError, match="features"):
+        head.forward([0], ids, chain(ids.size), np.array([[0]]),
+                     {"features": np.zeros((1, ids.size, m.model.hidden_size * 3), np.float32)})
+    head.close()
+
+
+def test_close_waits_for_a_forward_in_flight(tiny):
+    """A server stopping mid-step: close() frees the KV cache only after the forward running on
+    another thread has returned (before, the kernel wrote into the freed cache: ASan's
+    heap-use-after-free, perf-notes §14)."""
+    import threading
+    import time
+
+    from backend.runtime import load_runtime
+
+    rt = load_runtime(tiny[0], "gguf")
+    rt.alloc(0)
+    entered, events = threading.Event(), []
+
+    class SlowLib:                                   # the kernel, entered and then slow
+        def __init__(self, lib):
+            self.lib = lib
+
+        def sd_forward(self, *args):
+            entered.set()
+            time.sleep(0.3)
+            rc = self.lib.sd_forward(*args)
+            events.append("forward returned")
+            return rc
+
+    rt.lib = SlowLib(rt.lib)
+    ids = np.arange(3, 40)[None]
+    th = threading.Thread(target=rt.forward, args=([0], ids, chain(ids.size), np.array([[ids.size - 1]])))
+    th.start()
+    assert entered.wait(10)
+    rt.close()
+    events.append("closed")
+    th.join()
+    assert events == ["forward returned", "closed"]
+    with pytest.raises(RuntimeError, match="after close"):
+        rt.forward([0], ids, chain(ids.size), np.array([[0]]))
+
+
+class _Sink:
+    """A client stream: records tokens; `cancel_after` sends, it reports a closed connection."""
+    def __init__(self, cancel_after=None):
+        self.cancel_after, self.ids, self.sends, self.closes, self.errors = cancel_after, [], 0, 0, []
+
+    def send(self, out):
+        self.sends += 1
+        self.ids.extend(out.new_ids)
+
+    def error(self, exc, internal):
+        self.errors.append((exc, internal))
+
+    def cancelled(self):
+        return self.cancel_after is not None and self.sends >= self.cancel_after
+
+    def close(self):
+        self.closes += 1
+
+
+def test_mixed_load_with_cancels_and_slot_reuse_stays_lossless(tiny):
+    """The kernel under a serving load, in process (the sanitizer run's workload, issue 31): more
+    requests than KV slots (every slot freed and reused many times), ragged batches of every
+    drafter (chains and trees), greedy and seeded sampling, clients that leave mid-stream, stops by
+    key before and after a request starts, prompts near the context end. Every request is closed
+    once, none fails, every slot comes back, and each finished request equals plain decoding of it
+    alone."""
+    import random
+
+    from backend.config import DrafterKind, SamplingParams
+    from backend.scheduler import Scheduler
+    from backend.sequence import Request
+
+    dec = spec_decoder(tiny[0], "gguf", max_tree_nodes=12, prompt_lookup_width=2, draft_width=2)
+    slots, limit = dec.target.room(), dec.target.max_seq_len
+    kinds = [DrafterKind.NONE, DrafterKind.AUTO, *(k for k in dec.drafters)]
+    rng = random.Random(31)
+    reqs = []
+    for i in range(36):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(1, 20))] * rng.randint(1, 3)
+        if i % 9 == 4:                                       # the length limit reached mid-draft
+            prompt = (prompt * limit)[:limit - rng.randint(2, 10)]
+        temp = rng.choice([0.0, 0.9])
+        params = SamplingParams(temperature=temp, top_p=rng.choice([1.0, 0.9]), seed=i if temp else None,
+                                max_tokens=rng.randint(1, 24), ignore_eos=True)
+        reqs.append(Request(tuple(prompt), params, kinds[i % len(kinds)], rng.choice([None, 1, 4]), request_id=f"r{i}"))
+    sinks = [_Sink(rng.randint(1, 4) if i % 4 == 1 else None) for i in range(len(reqs))]
+    stopped = {i for i in range(len(reqs)) if i % 11 == 7}
+    sched = Scheduler(dec, max_batch=4, start=False)
+    pending = list(range(len(reqs)))
+    while pending or sched.has_work():
+        for _ in range(rng.randint(0, 3) if sched.has_work() else 1):
+            if pending:
+                i = pending.pop(0)
+                sched.submit(reqs[i], sinks[i], key=f"k{i}")
+                if i in stopped and i % 2:
+                    sched.stop(f"k{i}")                      # stopped before it starts
+        for i in stopped:
+            if sinks[i].sends == 1:
+                sched.stop(f"k{i}")                          # stopped mid-stream
+        sched.iterate()
+    sched.close()
+    assert [s.closes for s in sinks] == [1] * len(sinks)
+    assert [e for s in sinks for e in s.errors] == []
+    assert dec.target.room() == slots
+    assert sum(s.closes for s in sinks) > 3 * slots          # slots were reused
+    whole = [i for i, s in enumerate(sinks) if s.cancel_after is None and i not in stopped]
+    assert len(whole) >= 20
+    for i in whole:
+        r = reqs[i]
+        alone = [t for o in dec.generate(Request(r.prompt_ids, r.params, DrafterKind.NONE)) for t in o.new_ids]
+        assert sinks[i].ids == alone, (i, r.drafter)
+    assert dec.stats.num_draft_tokens > 0
+    dec.target.close()

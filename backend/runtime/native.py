@@ -12,6 +12,7 @@ Knows: the C entry points and their structs, slots. Does not know: sampling, dra
 from __future__ import annotations
 
 import ctypes
+import os
 import importlib.util
 import threading
 from pathlib import Path
@@ -47,6 +48,13 @@ class _Model(ctypes.Structure):
                 ("fc", _Matrix), ("fc_bias", _P)]
 
 
+# sd_forward's refusals (decode.c check_step): it checks every index it follows before writing
+_REFUSED = {-9: "the KV cache", -10: "row_start", -11: "a row's KV slot", -12: "a row's context length",
+            -13: "an input id", -14: "a position (the rope tables)", -15: "a node's write slot",
+            -16: "a node's write column", -17: "a tree path (a scratch column)",
+            -18: "a logit row", -19: "a feature layer"}
+
+
 class _Cache(ctypes.Structure):
     _fields_ = [("cache", _P), ("slots", _I64), ("cols", _I64)]
 
@@ -67,15 +75,19 @@ def compiled() -> bool:
 
 
 def library() -> ctypes.CDLL:
-    """The compiled decode step, loaded once."""
+    """The compiled decode step, loaded once. SPECDEC_NATIVE_LIB names another build of the same
+    source to load instead (the AddressSanitizer/UBSan build, plugins/native/sanitize.sh)."""
     global _LIB
     if _LIB is None:
-        if not compiled():
+        override = os.environ.get("SPECDEC_NATIVE_LIB")
+        if override and not os.path.isfile(override):
+            raise RuntimeError(f"SPECDEC_NATIVE_LIB={override}: no such file")
+        if not override and not compiled():
             raise RuntimeError("the native CPU engine is not compiled (plugins/_native*.so missing): "
                                "it needs a C compiler with OpenMP at install time; reinstall with "
                                "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
                                "the fp32 / q4 engines (--weights fp32,q4)")
-        lib = ctypes.CDLL(importlib.util.find_spec("plugins._native").origin)
+        lib = ctypes.CDLL(override or importlib.util.find_spec("plugins._native").origin)
         lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step)]
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_isa.restype = ctypes.c_char_p
@@ -177,16 +189,19 @@ class NativeRuntime(SlotSequences):
         assert not extra and (feats is not None) == self.model.eagle, \
             f"inputs {sorted(extra_inputs or {})}: an EAGLE head takes `features` [B, T, H], a decoder nothing else"
         ids = np.ascontiguousarray(input_ids, np.int64)
-        assert ids.min() >= 0 and ids.max() < self.model.embed_rows, (int(ids.min()), int(ids.max()))
         index = np.ascontiguousarray(logits_index, np.int64)
-        assert index.min() >= 0 and index.max() < t, (index.tolist(), t)
+        if index.size and (index.min() < 0 or index.max() >= t):
+            raise IndexError(f"native forward: logits_index out of [0, {t}): {index.tolist()}")
         with self._lock:
+            if self.cache is None:            # close() freed the KV the kernel's struct points at
+                raise RuntimeError("native runtime used after close()")
             host, new_paths = self.slots.layout(seq_ids, parents)
             # Ragged rows: a row's padding nodes (PAD_PARENT, after its nodes) are not computed; their
             # outputs read zero and their scratch columns are never written (nothing reads them).
             real = parents != PAD_PARENT                                  # [B, T]
             counts = real.sum(1)
-            assert np.array_equal(real, np.arange(t)[None] < counts[:, None]), "padding must follow a row's nodes"
+            if not np.array_equal(real, np.arange(t)[None] < counts[:, None]):
+                raise ValueError("native forward: a row's padding (PAD_PARENT) must follow its nodes")
             row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
             wanted = index < counts[:, None]                             # [B, R] logits of real nodes
             logit_rows = (row_start[:-1, None] + index)[wanted].astype(np.int64)
@@ -204,12 +219,16 @@ class NativeRuntime(SlotSequences):
                       "slots": host["slots"], "logit_rows": logit_rows,
                       "features": None if feats is None else np.ascontiguousarray(pick(np.asarray(feats, np.float32)))}
             arrays["feature_layers"] = self.feature_layers
+            self._check_shapes(arrays, n)
             step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, len(self.feature_layers),
                          *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
                                                      "slots", "logit_rows", "feature_layers", "features")),
                          _ptr(packed), _ptr(packed_logits))
             if n:
                 rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
+                if rc in _REFUSED:
+                    raise IndexError(f"native forward refused: {_REFUSED[rc]} out of range (B={b}, T={t}, "
+                                     f"{self.capacity} slots x {self.columns} columns)")
                 if rc != 0:
                     raise MemoryError(f"native forward failed (rc {rc}): out of memory for B={b}, T={t}")
             self.slots.extend(seq_ids, new_paths)
@@ -218,6 +237,16 @@ class NativeRuntime(SlotSequences):
             if not all_logits:
                 logits[~wanted], logits[wanted] = 0.0, packed_logits
             return ForwardOutput(logits, hidden)
+
+    def _check_shapes(self, a: dict, n: int) -> None:
+        """What the kernel cannot see: every per-node array has a row per node and the features
+        their width. (The kernel checks every index itself before writing: _REFUSED.)"""
+        f = a["features"]
+        if f is not None and f.shape != (n, self.config.hidden_size):
+            raise ValueError(f"native forward: features {f.shape}, expected {(n, self.config.hidden_size)}")
+        for name in ("ids", "pos", "wslot", "wcol", "paths"):
+            if len(a[name]) != n:
+                raise ValueError(f"native forward: {name} has {len(a[name])} rows for {n} nodes")
 
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
         return verify_on_host(out, drafts, params, noises, positions)
@@ -234,5 +263,10 @@ class NativeRuntime(SlotSequences):
             self.slots.truncate(seq_id, length)
 
     def close(self) -> None:
-        self.slots.clear()
-        self.cache = None
+        """Frees the KV cache; under the lock, so a forward still running on another thread (a
+        server stopping mid-step) finishes before the memory its struct points at goes away
+        (AddressSanitizer found the use-after-free, perf-notes §14)."""
+        with self._lock:
+            self.slots.clear()
+            self._cache.cache = None
+            self.cache = None

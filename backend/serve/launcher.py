@@ -93,6 +93,8 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.shm_prefix = f"specdec{uuid.uuid4().hex[:8]}_"
         self._work = Path(tempfile.mkdtemp(prefix="specdec-triton-"))
+        self.fault_dir = self._work / "faults"
+        self.fault_dir.mkdir()
 
     @property
     def http_url(self) -> str:
@@ -123,6 +125,7 @@ class TritonServer:
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         env["LD_LIBRARY_PATH"] = ":".join(x for x in (libdir, str(paths.libs), env.get("LD_LIBRARY_PATH", "")) if x)
         env["SPECDEC_GRPC_URL"] = self.grpc_url          # `remote_draft local`: this server's node
+        env["SPECDEC_FAULT_DIR"] = str(self.fault_dir)   # each model process's dying words
         env.update(self.extra_env)
         return cmd, env
 
@@ -169,6 +172,35 @@ class TritonServer:
             if len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub"):
                 out[argv[8].decode()] = (pid, fields[0])
         return out
+
+    @staticmethod
+    def exit_status(pid: int) -> str | None:
+        """How a dead (zombie) stub ended, from /proc/<pid>/stat's exit_code (waitpid's status;
+        tritonserver never reaps its stubs): "killed by signal 11 (SIGSEGV)" or "exited with
+        code 1"; None while it lives or once it is gone."""
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        if fields[0] not in ("Z", "X") or len(fields) < 50:
+            return None
+        code = int(fields[49])
+        if code & 0x7F:
+            sig = code & 0x7F
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = "?"
+            return f"killed by signal {sig} ({name})"
+        return f"exited with code {code >> 8}"
+
+    def last_lines(self, name: str, pid: int, n: int = 80) -> list[str]:
+        """The last lines a stub wrote to its fault log (fatal-signal stack dumps, our warnings
+        and errors; triton_glue.enable_fault_log)."""
+        try:
+            return (self.fault_dir / f"{name}.{pid}.log").read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
 
     def rss_bytes(self) -> dict[str, int]:
         """Resident memory of each stub (model instance name -> bytes)."""

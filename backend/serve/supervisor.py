@@ -5,7 +5,10 @@ notice the death, and the in-flight streams of the dead stub never get a final r
 (../shared/reference/reliability.md). So `specdec serve` supervises what it started: a thread
 watches the stub processes (children of tritonserver, /proc) every `poll_s` and runs a canary
 generation every `canary_s`; when a stub is gone or a zombie, or the canary gets no answer in
-time or says a stub is unhealthy, the whole server is killed (every open stream then ends at the
+time or says a stub is unhealthy, the event names the process, how it ended (signal or exit
+code, read from the zombie's /proc/<pid>/stat) and the last lines it wrote to its fault log
+(the stack dump of every thread on a fatal signal: triton_glue.enable_fault_log), and the whole
+server is killed (every open stream then ends at the
 client with a connection error at once, and readiness stops answering) and started again on the
 same ports. Deployments that run `tritonserver` themselves get the same canary as
 `specdec health`, for a liveness probe.
@@ -49,12 +52,13 @@ class Supervisor:
         self.on_event = on_event or (lambda msg: None)
         self.restarts: list[dict] = []
         self._expected: set[str] = set()
+        self._pids: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-supervisor", daemon=True)
 
     def start(self) -> "Supervisor":
         self.server.start()
-        self._expected = set(self.server.stubs())
+        self._watch()
         self._thread.start()
         return self
 
@@ -66,33 +70,56 @@ class Supervisor:
 
     def failure(self) -> str | None:
         """Why the server needs a restart now, or None."""
+        reason, _ = self._diagnose()
+        return reason
+
+    def _diagnose(self) -> tuple[str | None, dict[str, list[str]]]:
+        """(why the server needs a restart, or None; each dead model process's last lines)."""
         if self.server.proc is None or self.server.proc.poll() is not None:
-            return "tritonserver exited"
+            code = None if self.server.proc is None else self.server.proc.returncode
+            return f"tritonserver exited (code {code})", {}
         stubs = self.server.stubs()
         dead = sorted(n for n in self._expected if n not in stubs or stubs[n][1] in ("Z", "X"))
-        return f"model process {', '.join(dead)} died" if dead else None
+        if not dead:
+            return None, {}
+        what, lines = [], {}
+        for name in dead:
+            pid = stubs[name][0] if name in stubs else self._pids.get(name)
+            status = (self.server.exit_status(pid) if pid else None) or "exit status unknown"
+            what.append(f"{name} (pid {pid}, {status})")
+            lines[name] = self.server.last_lines(name, pid) if pid else []
+        return f"model process {', '.join(what)} died", lines
 
-    def restart(self, reason: str) -> None:
+    def restart(self, reason: str, last_lines: dict[str, list[str]] | None = None) -> None:
         t0 = time.time()
-        self.on_event(f"restarting tritonserver: {reason}")
+        message = f"restarting tritonserver: {reason}"
+        for name, lines in (last_lines or {}).items():
+            message += f"\n  last lines of {name}:" + "".join(f"\n    {line}" for line in lines or ["(none)"])
+        self.on_event(message)
         self.server.kill()
         self.server.start()
-        self._expected = set(self.server.stubs())
+        self._watch()
         seconds = time.time() - t0
-        self.restarts.append({"reason": reason, "seconds": round(seconds, 2), "at": t0})
+        self.restarts.append({"reason": reason, "seconds": round(seconds, 2), "at": t0,
+                              "last_lines": dict(last_lines or {})})
         self.on_event(f"tritonserver serving again after {seconds:.1f}s")
+
+    def _watch(self) -> None:
+        stubs = self.server.stubs()
+        self._expected = set(stubs)
+        self._pids = {name: pid for name, (pid, _) in stubs.items()}
 
     def _run(self) -> None:
         last_canary = time.time()
         while not self._stop.wait(self.poll_s):
-            reason = self.failure()
+            reason, lines = self._diagnose()
             if reason is None and time.time() - last_canary >= self.canary_s:
                 ok, what = canary(self.server.http_url, timeout=self.canary_timeout_s)
                 last_canary = time.time()
                 reason = None if ok or self._stop.is_set() else f"canary failed ({what})"
             if reason is not None and not self._stop.is_set():
                 try:
-                    self.restart(reason)
+                    self.restart(reason, lines)
                 except Exception as exc:             # keep supervising: try again next poll
                     self.on_event(f"restart failed: {type(exc).__name__}: {exc}")
                 last_canary = time.time()

@@ -579,7 +579,41 @@ static void *xalloc(size_t n) {
     return p;
 }
 
+/* Every index sd_forward follows, checked before it writes anything (issue 31): 0, or which
+ * field is out of range (runtime/native.py names it in an IndexError). A few ns a node. */
+enum { SD_BAD_CACHE = -9, SD_BAD_ROWS = -10, SD_BAD_SLOT = -11, SD_BAD_CTX = -12, SD_BAD_ID = -13,
+       SD_BAD_POS = -14, SD_BAD_WSLOT = -15, SD_BAD_WCOL = -16, SD_BAD_PATH = -17,
+       SD_BAD_LOGIT_ROW = -18, SD_BAD_FEATURE_LAYER = -19 };
+
+static int check_step(const sd_model *m, const sd_cache *c, const sd_step *s) {
+    if (!c->cache || c->slots < 1 || c->cols < 1) return SD_BAD_CACHE;
+    if (s->batch < 0 || s->rows < 0 || s->path_len < 1 || s->num_logits < 0 || s->row_start[0] != 0
+        || s->row_start[s->batch] != s->rows) return SD_BAD_ROWS;
+    for (int b = 0; b < s->batch; b++) {
+        if (s->row_start[b + 1] < s->row_start[b]) return SD_BAD_ROWS;
+        if (s->slots[b] < 0 || s->slots[b] >= c->slots - 1) return SD_BAD_SLOT;   /* the last: spare */
+        if (s->ctx[b] < 0 || s->ctx[b] > c->cols) return SD_BAD_CTX;
+        for (int r = s->row_start[b]; r < s->row_start[b + 1]; r++) {
+            if (s->ids[r] < 0 || s->ids[r] >= m->embed.rows) return SD_BAD_ID;
+            if (s->pos[r] < 0 || s->pos[r] >= m->max_pos) return SD_BAD_POS;
+            if (s->wslot[r] < 0 || s->wslot[r] >= c->slots) return SD_BAD_WSLOT;
+            if (s->wcol[r] < 0 || s->wcol[r] >= c->cols) return SD_BAD_WCOL;
+            for (int k = 0; k < s->path_len; k++) {
+                int32_t p = s->paths[(size_t)r * s->path_len + k];
+                if (p < -1 || (p >= 0 && (int64_t)s->ctx[b] + p >= c->cols)) return SD_BAD_PATH;
+            }
+        }
+    }
+    for (int l = 0; l < s->num_logits; l++)
+        if (s->logit_rows[l] < 0 || s->logit_rows[l] >= s->rows) return SD_BAD_LOGIT_ROW;
+    for (int f = 0; f < s->num_features; f++)
+        if (s->feature_layers[f] < 0 || s->feature_layers[f] >= m->num_layers) return SD_BAD_FEATURE_LAYER;
+    return 0;
+}
+
 int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
+    const int bad = check_step(m, c, s);
+    if (bad) return bad;
     const int rows = s->rows, h = m->hidden, d = m->head_dim;
     const int hq = m->num_heads, hkv = m->num_kv_heads, inter = m->inter;
     const int nqkv = (hq + 2 * hkv) * d;

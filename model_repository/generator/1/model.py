@@ -7,12 +7,13 @@ the relay).
 """
 import triton_python_backend_utils as pb_utils
 
-from backend.triton_glue import Service
+from backend import triton_glue
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.service = Service(pb_utils, args)
+        triton_glue.enable_fault_log(args)
+        self.service = triton_glue.Service(pb_utils, args)
 
     def execute(self, requests):
         for request in requests:

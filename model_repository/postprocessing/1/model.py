@@ -12,6 +12,9 @@ from backend import triton_glue, triton_io
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        triton_glue.enable_fault_log(args)
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -21,3 +24,6 @@ class TritonPythonModel:
             out = {triton_io.TEXT_OUTPUT: np.asarray(inputs[triton_io.TEXT_OUTPUT])}
             responses.append(pb_utils.InferenceResponse(output_tensors=triton_glue.tensors(pb_utils, out)))
         return responses
+
+    def finalize(self):
+        triton_glue.release_bls()

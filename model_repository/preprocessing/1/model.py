@@ -14,6 +14,7 @@ from backend.tokenizer import Tokenizer
 
 class TritonPythonModel:
     def initialize(self, args):
+        triton_glue.enable_fault_log(args)
         cfg = triton_glue.serve_config(args)
         manifest = EngineManifest.load(cfg.engine_dir)
         self.tok = Tokenizer.from_manifest(manifest)
@@ -29,7 +30,8 @@ class TritonPythonModel:
                 parsed = triton_io.parse(inputs, ids)
                 validate_request(parsed.request, self.limits)
                 arrays = {triton_io.INPUT_IDS: ids[None] if parsed.batched else ids}
-                responses.append(pb_utils.InferenceResponse(output_tensors=triton_glue.tensors(pb_utils, arrays)))
+                responses.append(pb_utils.InferenceResponse(output_tensors=triton_glue.tensors(
+                    pb_utils, arrays, triton_glue.requested_outputs(request))))
             except Exception as exc:
                 responses.append(triton_glue.error_response(
                     pb_utils, exc, internal=not isinstance(exc, triton_io.RequestError)))

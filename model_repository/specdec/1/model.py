@@ -6,14 +6,19 @@ the request's response sender. execute() returns at once (decoupled model).
 """
 import triton_python_backend_utils as pb_utils
 
+from backend import triton_glue
 from backend.triton_relay import TextRelay
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        triton_glue.enable_fault_log(args)
         self.relay = TextRelay(pb_utils, args)
 
     def execute(self, requests):
         for request in requests:
             self.relay.handle(request)
         return None
+
+    def finalize(self):
+        self.relay.close()

@@ -10,6 +10,7 @@ from backend import triton_glue
 
 class TritonPythonModel:
     def initialize(self, args):
+        triton_glue.enable_fault_log(args)
         self.node = triton_glue.draft_node(args)
 
     def execute(self, requests):
