@@ -393,7 +393,13 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_quality)
 
     args = ap.parse_args(argv)
-    return args.func(args)
+    from backend.errors import UserError
+
+    try:
+        return args.func(args)
+    except UserError as exc:            # the user's to fix: one line, exit 2 (argparse's code)
+        print(f"specdec {args.cmd}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.errors import ManifestMismatch, ManifestMissing
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2          # 2: cuda engines, gpu; generator sends text (rebuild older repositories)
 
@@ -169,10 +171,11 @@ class EngineManifest:
         directory = Path(directory)
         path = directory / MANIFEST_NAME if directory.is_dir() else directory
         if not path.exists():
-            raise FileNotFoundError(f"no engine manifest at {path}; run `specdec build` first")
+            raise ManifestMissing(f"no engine manifest at {path}; run `specdec build` first "
+                                  f"(or point --model-repository at a built repository)")
         d = json.loads(path.read_text())
         if d.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
+            raise ManifestMismatch(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
                              "rebuild the engines with `specdec build`")
         engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"]),
                                     "feature_layers": tuple(v.get("feature_layers", ()))})

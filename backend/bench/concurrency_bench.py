@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from backend.errors import ManifestMissing
+
 MODES = ("plain", "fixed", "auto")
 
 
@@ -142,7 +144,7 @@ def main(args) -> dict:
         modes[f"k{k}"] = {**base, "drafter": drafter, "num_draft_tokens": k}
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
-        raise SystemExit(f"no engines in {repo}: run `specdec build` first")
+        raise ManifestMissing(f"no engines in {repo}: run `specdec build` first")
     rows = []
     with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log")) as srv:
         # warm-up, not measured: the first prompt of each kind once per mode, so that ORT's

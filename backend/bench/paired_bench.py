@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.bench.concurrency_bench import add_best_fixed, level_requests, sweep_k_list, write_result
+from backend.errors import ManifestMissing
 
 
 def _serve_config(repo: Path):
@@ -163,7 +164,7 @@ def main(args) -> dict:
     drafter = args.drafter.partition(":")[0]
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
-        raise SystemExit(f"no engines in {repo}: run `specdec build` first")
+        raise ManifestMissing(f"no engines in {repo}: run `specdec build` first")
     cfg = _serve_config(repo)
     # a decoder each for plain, the control and auto (so the A/A control also reads any
     # difference between two loaded copies of the same engines, and the adaptive controller

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.errors import UserError
 from backend.manifest import ModelConfig
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
@@ -25,7 +26,7 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"
                     "Qwen2ForCausalLM": "qwen2"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """The checkpoint cannot be built: unsupported architecture, tensor type, or missing file."""
 
 
@@ -94,6 +95,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         return _load_hf(path)
     if path.suffix == ".gguf" and path.exists():
         return _load_gguf(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory; expected a Hugging Face checkpoint "
+                              f"directory or a .gguf file (--target)")
     raise CheckpointError(f"{path}: expected a Hugging Face checkpoint directory or a .gguf file")
 
 

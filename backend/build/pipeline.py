@@ -15,13 +15,14 @@ from backend.build import checkpoint as ckpt_mod
 from backend.build import drafts as drafts_mod
 from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
 from backend.build.templates import fill_repository
+from backend.errors import UserError
 from backend.manifest import FORMATS, DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
 from backend.runtime import native
 
 ENGINE_SUBDIR = "specdec/engine"     # inside the model repository, shared by all models
 
 
-class BuildError(ValueError):
+class BuildError(UserError, ValueError):
     pass
 
 
@@ -92,11 +93,10 @@ def build(cfg: BuildConfig) -> EngineManifest:
 
         source = str(default_gguf())
         log(f"target: embedded default {source}")
+    t0 = time.time()
+    ck = ckpt_mod.load_checkpoint(source)            # a wrong target fails before anything is written
     engine_dir = Path(cfg.output) / ENGINE_SUBDIR
     engine_dir.mkdir(parents=True, exist_ok=True)
-
-    t0 = time.time()
-    ck = ckpt_mod.load_checkpoint(source)
     log(f"loaded {ck.config.architecture} ({ck.config.num_layers} layers, vocab "
         f"{ck.config.vocab_size}, {ck.file_type}) in {time.time() - t0:.1f}s")
     max_seq = min(cfg.max_seq_len, ck.config.max_position_embeddings)

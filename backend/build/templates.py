@@ -9,11 +9,13 @@ import shutil
 import string
 from pathlib import Path
 
+from backend.errors import UserError
+
 TEMPLATE_SUFFIX = ".template"
 SOURCE_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     pass
 
 

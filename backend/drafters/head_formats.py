@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.errors import UserError
+
 OURS = "head.safetensors"
 _EAGLE_KEYS = {"fc.weight": "fc", "fc.bias": "fc_bias", "norm.weight": "norm",
                "layers.0.input_layernorm.weight": "layers.0.attn_norm",
@@ -47,7 +49,7 @@ EAGLE3_KEYS = {"fc.weight": "fc", "norm.weight": "norm", "lm_head.weight": "lm_h
 _IGNORED = {"embed_tokens.weight", "t2d"}   # the target's embedding; t2d is d2t's inverse
 
 
-class HeadFormatError(ValueError):
+class HeadFormatError(UserError, ValueError):
     pass
 
 

@@ -23,8 +23,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.errors import UserError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(UserError, RuntimeError):
     pass
 
 

@@ -1,0 +1,68 @@
+"""A user's mistake on the command line gets one line naming it and what to do, and exit 2
+(issue 25, point 6); a traceback is only for our own bugs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def specdec(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                                     "PATH": "/usr/bin:/bin"})
+
+
+def assert_one_line(r: subprocess.CompletedProcess, command: str, *words: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith(f"specdec {command}: error: "), lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def gemma3_gguf(path: Path) -> Path:
+    """A GGUF that names an architecture we do not serve (yet): metadata and one tensor."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_missing_target_is_one_line_and_exit_2(tmp_path):
+    r = specdec("build", "--target", "missing.gguf", "--output", str(tmp_path / "repo"), cwd=tmp_path)
+    assert_one_line(r, "build", "missing.gguf", "no such file")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_an_unsupported_architecture_is_one_line_and_exit_2(tmp_path):
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert_one_line(specdec("build", "--target", str(hf), "--output", str(tmp_path / "r"), cwd=tmp_path),
+                    "build", "unsupported architecture", "GPT2LMHeadModel", "supported")
+    g = gemma3_gguf(tmp_path / "g.gguf")
+    assert_one_line(specdec("build", "--target", str(g), "--output", str(tmp_path / "r"), cwd=tmp_path),
+                    "build", "unsupported architecture", "gemma3")
+
+
+@pytest.mark.parametrize("command", [["bench"], ["bench", "--concurrency", "1"], ["bench-engine"],
+                                     ["quality"], ["build-draft-node", "--output", "out"]])
+def test_a_repository_that_was_never_built_is_one_line_and_exit_2(tmp_path, command):
+    r = specdec(*command, "--model-repository", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert_one_line(r, command[0], "specdec build")
+
+
+def test_a_bad_flag_value_is_argparse_s_exit_2(tmp_path):
+    r = specdec("build", "--device", "tpu", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr
