@@ -278,3 +278,16 @@ def test_mixed_load_with_cancels_and_slot_reuse_stays_lossless(tiny):
         assert sinks[i].ids == alone, (i, r.drafter)
     assert dec.stats.num_draft_tokens > 0
     dec.target.close()
+
+
+def test_a_library_built_from_another_decode_c_is_refused_at_load():
+    """The kernel exports its ABI (struct sizes, block layout, weight kinds); a mismatch with what
+    runtime/native.py mirrors is refused naming the field, never misread (issue 25, point 4)."""
+    lib, path = native.library(), "plugins/_native.so"
+    native.check_abi(lib, path)                                       # this build matches
+    size = native.expected_abi()["sizeof sd_step"]
+    corrupted = {**native.expected_abi(), "sizeof sd_step": size + 8}
+    with pytest.raises(native.NativeABIError, match=rf"sizeof sd_step {size} there, {size + 8} here.*pip install"):
+        native.check_abi(lib, path, corrupted)
+    with pytest.raises(native.NativeABIError, match="predates the ABI check"):
+        native.check_abi(object(), path)                             # a stale build: no sd_abi

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.native_engine import KINDS, read_native
+from backend.build.native_engine import KINDS, LANES, QBLOCK, read_native
 from backend.config import RuntimeOptions
+from backend.errors import UserError
 from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
@@ -87,7 +88,9 @@ def library() -> ctypes.CDLL:
                                "it needs a C compiler with OpenMP at install time; reinstall with "
                                "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
                                "the fp32 / q4 engines (--weights fp32,q4)")
-        lib = ctypes.CDLL(override or importlib.util.find_spec("plugins._native").origin)
+        path = override or importlib.util.find_spec("plugins._native").origin
+        lib = ctypes.CDLL(path)
+        check_abi(lib, path)
         lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step)]
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_isa.restype = ctypes.c_char_p
@@ -95,6 +98,37 @@ def library() -> ctypes.CDLL:
         lib.sd_matmul.restype = ctypes.c_int
         _LIB = lib
     return _LIB
+
+
+class NativeABIError(UserError, RuntimeError):
+    """The compiled kernel was built from another decode.c than this Python side mirrors."""
+
+
+def expected_abi() -> dict[str, int]:
+    """What this side was written against, in sd_abi's order (decode.c)."""
+    return {"abi version": 1, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+            "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
+            "sizeof sd_step": ctypes.sizeof(_Step), "LANES": LANES, "QBLOCK": QBLOCK,
+            "SD_Q4_1": KINDS["q4"], "SD_Q8_0": KINDS["q8"],
+            "q4 block bytes": LANES * (QBLOCK // 2 + 4),          # 16 rows x (16 nibble bytes, d, m)
+            "q8 block bytes": LANES * (QBLOCK + 2)}               # 16 rows x (32 int8, d)
+
+
+def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
+    """Refuse a library whose structs, block layout or weight kinds differ from ours."""
+    expected = expected or expected_abi()
+    how = "reinstall to recompile it: .venv/bin/pip install -e '.[all]'"
+    if not hasattr(lib, "sd_abi"):
+        raise NativeABIError(f"the native kernel {path} predates the ABI check (a stale build); {how}")
+    lib.sd_abi.argtypes, lib.sd_abi.restype = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int], ctypes.c_int
+    got = (ctypes.c_int64 * len(expected))()
+    count = lib.sd_abi(got, len(expected))
+    wrong = [f"{name} {got[i]} there, {want} here" for i, (name, want) in enumerate(expected.items())
+             if i >= count or got[i] != want]
+    if count != len(expected):
+        wrong.append(f"{count} ABI fields there, {len(expected)} here")
+    if wrong:
+        raise NativeABIError(f"the native kernel {path} does not match this specdec ({'; '.join(wrong)}); {how}")
 
 
 def isa() -> str:

@@ -744,6 +744,20 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s) {
     return ok ? 0 : -1;
 }
 
+/* The binary interface runtime/native.py mirrors with ctypes (the structs above, the block
+ * layout build/native_engine.py writes, the weight kinds), checked by Python when it loads the
+ * library: a stale or foreign build is refused with a clear message instead of misreading
+ * memory. Bump SD_ABI_VERSION when a struct or layout changes meaning without changing size. */
+#define SD_ABI_VERSION 1
+int sd_abi(int64_t *out, int n) {
+    const int64_t v[] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
+                         sizeof(sd_cache), sizeof(sd_step), LANES, QBLOCK, SD_Q4_1, SD_Q8_0,
+                         (int64_t)block_bytes(SD_Q4_1), (int64_t)block_bytes(SD_Q8_0)};
+    const int count = (int)(sizeof v / sizeof v[0]);
+    for (int i = 0; i < n && i < count; i++) out[i] = v[i];
+    return count;
+}
+
 /* which instruction set this build uses, for the manifest and the build summary */
 const char *sd_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
