@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from backend.bench.prompt_sets import default_prompts, load_prompts
 from backend.config import DrafterKind
 
 DEFAULT_REPO = "model_repository"
@@ -75,10 +76,6 @@ def _engine_dir(args) -> Path:
     return Path(args.model_repository) / ENGINE_SUBDIR
 
 
-def _prompts(path: str) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def cmd_bench(args) -> int:
     if args.concurrency:
         from backend.bench import concurrency_bench, paired_bench
@@ -94,7 +91,7 @@ def cmd_bench(args) -> int:
                       draft_width=args.draft_width, prompt_lookup_width=args.lookup_width,
                       eagle_gate=not args.no_eagle_gate)
     dec = make_decoder(ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec))
-    prompts = _prompts(args.prompts)
+    prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
     spec_bench.run(dec, prompts, DrafterKind(kind), args.max_new_tokens, args.temperature,
@@ -107,7 +104,7 @@ def cmd_bench_engine(args) -> int:
     from backend.manifest import EngineManifest
 
     m = EngineManifest.load(_engine_dir(args))
-    engine_bench.run(m, _prompts(args.prompts), Path(args.json) if args.json else None,
+    engine_bench.run(m, load_prompts(args.prompts), Path(args.json) if args.json else None,
                      Path(args.plot) if args.plot else None,
                      formats=args.formats.split(",") if args.formats else None, reps=args.reps,
                      max_new=args.max_new_tokens, quick=args.quick)
@@ -124,7 +121,7 @@ def cmd_check_kernels(args) -> int:
 def cmd_quality(args) -> int:
     from backend.bench import quality
 
-    prompts = _prompts(args.prompts)
+    prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
     quality.run(str(_engine_dir(args)), args.format, args.reference, prompts, args.max_new_tokens, args.json)
@@ -249,10 +246,6 @@ def cmd_train_draft(args) -> int:
                             eagle3=args.eagle3))
     print(f"draft head written to {out}; build it with: python build_engines.py --draft eagle:{out}")
     return 0
-
-
-def default_prompts() -> str:
-    return str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "public.jsonl")
 
 
 def main(argv=None) -> int:

@@ -71,7 +71,7 @@ def remote_drafter(remote: RemoteDraft, spec: SpecConfig, fallback):
     from backend.drafters.draft_model import DraftModelDrafter
     from backend.drafters.eagle import EagleDrafter
     from backend.drafters.remote import RemoteDrafter
-    from backend.serve.client import draft_node_transport
+    from backend.drafters.remote_grpc import draft_node_transport
 
     if remote.kind is DrafterKind.EAGLE:
         traits = EagleDrafter.make_traits(spec.eagle_depth, spec.max_tree_nodes)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.bench import paired_bench as pb                       # noqa: E402
 from backend.bench.concurrency_bench import level_requests         # noqa: E402
-from backend.cli import _prompts                                   # noqa: E402
+from backend.bench.prompt_sets import load_prompts              # noqa: E402
 from backend.config import SamplingParams                          # noqa: E402
 from backend.engine import make_decoder                            # noqa: E402
 from backend.runtime.ort import shared_sessions                    # noqa: E402
@@ -91,7 +91,7 @@ def main() -> None:
             mode.sched.iterate = iterate
         return out
 
-    prompts = _prompts(args.prompts)
+    prompts = load_prompts(args.prompts)
     pb.run_level(modes(list({p.get("kind"): p for p in prompts}.values()), 1), seed=0)   # warm-up
     for a in acc.values():
         a.clear()

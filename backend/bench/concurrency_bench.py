@@ -122,12 +122,12 @@ def _combine(parts: list[dict]) -> dict:
 
 def main(args) -> dict:
     from backend.build.pipeline import ENGINE_SUBDIR
-    from backend.cli import _prompts
+    from backend.bench.prompt_sets import load_prompts
     from backend.serve.launcher import TritonServer
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
     rounds = max(1, int(getattr(args, "rounds", 2)))
-    prompts = _prompts(args.prompts)
+    prompts = load_prompts(args.prompts)
     drafter = args.drafter.partition(":")[0]
     base = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "stream": True,
             "apply_chat_template": True}

@@ -153,14 +153,14 @@ def run_level(modes: list[_Mode], seed: int) -> None:
 
 def main(args) -> dict:
     from backend.build.pipeline import ENGINE_SUBDIR
-    from backend.cli import _prompts
+    from backend.bench.prompt_sets import load_prompts
     from backend.config import SamplingParams
     from backend.engine import make_decoder
     from backend.runtime.ort import shared_sessions
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
     rounds = max(1, int(getattr(args, "rounds", 2)))
-    prompts = _prompts(args.prompts)
+    prompts = load_prompts(args.prompts)
     drafter = args.drafter.partition(":")[0]
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():

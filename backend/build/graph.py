@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from backend.build import quant
 from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
+from backend.engine_format import rope_tables  # noqa: F401 (re-exported)
 from backend.manifest import ModelConfig, WeightFormat
 
 OPSET = 17
@@ -93,38 +94,6 @@ class _Builder:
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name("n_" + op_type),
                                            domain=domain, **attrs))
         return outs[0] if n_out == 1 else outs
-
-
-def rope_tables(cfg: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim/2], computed in float32 as transformers does."""
-    d = cfg.head_dim
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64)
-                                                        .astype(np.float32) / np.float32(d))))
-    inv_freq = inv_freq.astype(np.float32)
-    pos = np.arange(max_positions, dtype=np.float32)
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        pass
-    elif kind == "linear":
-        pos = pos / np.float32(rs["factor"])
-    elif kind == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, rs)
-    else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
-    freqs = np.outer(pos, inv_freq).astype(np.float32)
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
-
-
-def _llama3_inv_freq(inv_freq: np.ndarray, rs: dict) -> np.ndarray:
-    factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-    old_ctx = float(rs["original_max_position_embeddings"])
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 FP8_LINEARS = ("qkv", "o", "gate_up", "down")    # a layer's linears; the rest stays float32

@@ -19,17 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from backend.build.checkpoint import Checkpoint, SourceTensor
+from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
+                                   read_native, repack)
 from backend.manifest import EngineFile, WeightFormat
-
-LANES = 16                # outputs interleaved per block (decode.c LANES)
-QBLOCK = 32
-ALIGN = 64
-KINDS = {"q4": 1, "q8": 2}   # decode.c SD_Q4_1, SD_Q8_0
-
-
-def _f16_bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, np.float16).view(np.uint16)
-
 
 def _source_blocks(t: SourceTensor) -> tuple[str, np.ndarray, np.ndarray | None, np.ndarray]:
     """-> kind, d [N, nb] f16 bits, m [N, nb] f16 bits (q4) or None, ints [N, K] (q4: u in
@@ -44,38 +36,11 @@ def _source_blocks(t: SourceTensor) -> tuple[str, np.ndarray, np.ndarray | None,
         if t.qtype == "Q4_1":
             m, qs = np.ascontiguousarray(blk[:, :, 2:4]).view(np.uint16)[..., 0], blk[:, :, 4:20]
         else:                                   # Q4_0: w = d (u - 8) = d u + (-8 d), exact in f16
-            m, qs = _f16_bits(d.view(np.float16) * np.float16(-8.0)), blk[:, :, 2:18]
+            m, qs = f16_bits(d.view(np.float16) * np.float16(-8.0)), blk[:, :, 2:18]
         u = np.concatenate([qs & 15, qs >> 4], axis=-1)        # element j and j+16 share byte j
         return "q4", d, m, u.reshape(n, -1)
-    w = t.float32()
-    k = w.shape[1]
-    blocks = w.reshape(n, k // QBLOCK, QBLOCK)
-    d16 = (np.abs(blocks).max(-1) / np.float32(127.0)).astype(np.float16)
-    d32 = d16.astype(np.float32)
-    q = np.rint(blocks / np.where(d32 > 0, d32, 1.0)[..., None])
-    return "q8", d16.view(np.uint16), None, np.clip(q, -127, 127).astype(np.int8).reshape(n, k)
-
-
-def repack(kind: str, d: np.ndarray, m: np.ndarray | None, ints: np.ndarray) -> np.ndarray:
-    """Source blocks -> decode.c's layout [N/16, nb, 320 | 544] uint8 (N padded to 16 with zero rows)."""
-    n, k = ints.shape
-    assert k % QBLOCK == 0, f"input width {k} is not a multiple of {QBLOCK}"
-    pad = (-n) % LANES
-    if pad:
-        z = lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
-        d, ints = z(d), z(ints)
-        m = None if m is None else z(m)
-    g, nb = (n + pad) // LANES, k // QBLOCK
-    lanes = lambda a: np.ascontiguousarray(a.reshape(g, LANES, nb).transpose(0, 2, 1)).view(np.uint8).reshape(g, nb, 2 * LANES)
-    x = ints.reshape(g, LANES, nb, QBLOCK).transpose(0, 2, 1, 3)          # [G, nb, lane, 32]
-    if kind == "q4":
-        x = x.astype(np.uint8)
-        lo, hi = x[..., :16].reshape(g, nb, LANES, 4, 4), x[..., 16:].reshape(g, nb, LANES, 4, 4)
-        qs = (lo | (hi << 4)).transpose(0, 1, 3, 2, 4).reshape(g, nb, 4 * 4 * LANES)   # [chunk c][lane][4]
-        return np.ascontiguousarray(np.concatenate([lanes(d), lanes(m), qs], axis=-1))
-    u = (x.astype(np.int16) + 128).astype(np.uint8).reshape(g, nb, LANES, 8, 4)
-    qs = u.transpose(0, 1, 3, 2, 4).reshape(g, nb, 8 * 4 * LANES)
-    return np.ascontiguousarray(np.concatenate([lanes(d), qs], axis=-1))
+    d, ints = q8_blocks(t.float32())
+    return "q8", d, None, ints
 
 
 def _matrix(parts: list[SourceTensor]) -> tuple[str, np.ndarray, int, int]:
@@ -91,12 +56,6 @@ def _matrix(parts: list[SourceTensor]) -> tuple[str, np.ndarray, int, int]:
     ints = np.concatenate([s[3] for s in src])
     data = repack(kind, d, m, ints)
     return kind, data, data.shape[0] * LANES, ints.shape[1]
-
-
-def blocked(w: np.ndarray) -> tuple[str, np.ndarray, int, int]:
-    """A float matrix [N, K] as Q8_0 blocks in the kernel's layout -> kind, data, rows (padded
-    to 16), cols: for the kernel alone (runtime/native.BlockedMatrix)."""
-    return _matrix([SourceTensor("w", "F32", tuple(w.shape), np.ascontiguousarray(w, np.float32))])
 
 
 def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> EngineFile:
@@ -147,19 +106,3 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
     per_token = sum(v["nbytes"] for k, v in index.items() if k not in gathered)
     return EngineFile(path=path.name, weights=WeightFormat.GGUF, num_layers=num_layers,
                       size_bytes=path.stat().st_size, weight_bytes_per_token=per_token)
-
-
-def read_native(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """-> header, tensors (read-only memory maps of the file: every runtime of the process that
-    opens the same engine shares its pages)."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    start = -(-(8 + n) // ALIGN) * ALIGN
-    mm = np.memmap(path, np.uint8, "r")
-    out = {}
-    for name, t in header["tensors"].items():
-        raw = mm[start + t["offset"]: start + t["offset"] + t["nbytes"]]
-        out[name] = raw.view(np.float32).reshape(t["shape"]) if t["kind"] == "f32" else raw
-    return header, out

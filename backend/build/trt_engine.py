@@ -19,6 +19,7 @@ from pathlib import Path
 
 from backend.build.checkpoint import Checkpoint
 from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
+from backend.engine_format import plan_path  # noqa: F401 (re-exported: the TensorRT runtime and tests name it here)
 from backend.manifest import DraftEntry, EngineFile, WeightFormat
 
 OPT_BATCH, OPT_NODES = 8, 4          # the profile's optimum: a decode step of a small batch
@@ -41,10 +42,6 @@ def environment() -> tuple[dict | None, str | None]:
     from backend.build.torch_engine import gpu_info
 
     return {**gpu_info(), "tensorrt": trt.__version__}, None
-
-
-def plan_path(onnx_path: Path) -> Path:
-    return Path(onnx_path).with_suffix(".plan")
 
 
 def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: dict | None) -> EngineFile:

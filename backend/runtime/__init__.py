@@ -114,7 +114,7 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         if reference_executor():
             ex = OrtExecutor(path, cfg, layers, options.threads or 1)
         else:
-            from backend.build.trt_engine import plan_path
+            from backend.engine_format import plan_path
             from backend.runtime.trt_exec import TrtExecutor
 
             check_tensorrt(manifest)

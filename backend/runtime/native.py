@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.native_engine import KINDS, LANES, QBLOCK, read_native
+from backend.engine_format import KINDS, LANES, QBLOCK, read_native
 from backend.config import RuntimeOptions
 from backend.errors import UserError
 from backend.kv_cache import PAD_PARENT
@@ -156,7 +156,7 @@ class BlockedMatrix:
     engine's OpenMP threads for the cores (perf-notes §13)."""
 
     def __init__(self, w: np.ndarray):
-        from backend.build.native_engine import blocked
+        from backend.engine_format import blocked
 
         self.n_out = w.shape[0]
         self.kind, self.data, self.rows, self.cols = blocked(w)

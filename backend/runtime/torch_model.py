@@ -133,7 +133,7 @@ class TorchModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], num_layers: int,
                  device: torch.device, max_positions: int, dtype: torch.dtype | None = None,
                  feature_layers: tuple[int, ...] = ()):
-        from backend.build.graph import rope_tables
+        from backend.engine_format import rope_tables
 
         self.cfg = cfg
         self.feature_layers = tuple(feature_layers)

@@ -1,0 +1,71 @@
+"""The import layering (issue 25, point 1): the runtimes never reach the build wing (engine-file
+formats both use live in backend/engine_format.py), nothing imports the CLI, and only the tools
+(cli, bench) and serve itself import serve/. Every import counts, module level or inside a
+function, followed transitively."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in (ROOT / "backend").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                for i in range(2, len(parts) + 1):            # a package's __init__ runs too
+                    if ".".join(parts[:i]) in files:
+                        targets.add(".".join(parts[:i]))
+        graph[mod] = targets - {mod}
+    return graph
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for t in graph.get(stack.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                stack.append(t)
+    return seen
+
+
+def within(mod: str, *packages: str) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
+def test_the_graph_is_read():
+    g = import_graph()
+    assert "backend.runtime.native" in g and "backend.engine_format" in g["backend.runtime.native"]
+    assert "backend.build.pipeline" in g and "backend.runtime" in g["backend.build.pipeline"]   # allowed
+
+
+def test_no_runtime_reaches_the_build_wing():
+    g = import_graph()
+    bad = {m: sorted(t for t in reach(g, m) if within(t, "backend.build"))
+           for m in g if within(m, "backend.runtime")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_nothing_imports_upward_into_cli_or_serve():
+    g = import_graph()
+    into_cli = {m: sorted(t for t in ts if within(t, "backend.cli")) for m, ts in g.items() if m != "backend.cli"}
+    assert {m: t for m, t in into_cli.items() if t} == {}
+    into_serve = {m: sorted(t for t in ts if within(t, "backend.serve"))
+                  for m, ts in g.items() if not within(m, "backend.cli", "backend.bench", "backend.serve")}
+    assert {m: t for m, t in into_serve.items() if t} == {}
