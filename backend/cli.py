@@ -9,6 +9,7 @@ from pathlib import Path
 
 from backend.bench.prompt_sets import default_prompts, load_prompts
 from backend.config import DrafterKind
+from backend.manifest import Device, WeightFormat
 
 DEFAULT_REPO = "model_repository"
 
@@ -16,8 +17,8 @@ DEFAULT_REPO = "model_repository"
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "tensorrt"],
-                   help="cpu: ONNX Runtime graphs; cuda: torch + Triton kernels (built on the GPU "
+    p.add_argument("--device", default="cpu", choices=[d.value for d in Device],
+                   help="cpu: our C kernel over GGUF blocks and ONNX Runtime graphs; cuda: torch + Triton kernels (built on the GPU "
                         "that serves; without a GPU, for this CPU); tensorrt: TensorRT engines with "
                         "our plugins (built on the GPU that serves; without TensorRT and a GPU, the "
                         "engine-ready ONNX only)")
@@ -26,7 +27,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                         "gguf, fp32, q4 for cpu (default gguf,fp32,q4; gguf: the GGUF's own blocks on our C "
                         "kernel, left out where the install could not compile it); fp32, bf16, fp8 for cuda (default bf16,fp8); "
                         "fp32, fp8 for tensorrt (default fp8)")
-    p.add_argument("--default-format", default=None, choices=["gguf", "fp32", "q4", "bf16", "fp8"],
+    p.add_argument("--default-format", default=None, choices=[f.value for f in WeightFormat],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
@@ -48,7 +49,6 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_build(args) -> int:
     from backend.build.pipeline import BuildConfig, build
-    from backend.manifest import Device, WeightFormat
 
     weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip()) if args.weights else None
     cfg = BuildConfig(
@@ -179,17 +179,14 @@ def cmd_serve(args) -> int:
 def _cannot_run_here(engine_dir: Path) -> str | None:
     """Why this machine cannot run the repository's engines (the message load_runtime would
     raise inside the model, with the rebuild command), before tritonserver starts; None if it can."""
-    from backend.manifest import Device, EngineManifest
-    from backend.runtime import check_device, check_tensorrt, reference_executor
+    from backend.devices import check_here
+    from backend.manifest import EngineManifest
 
     if not (engine_dir / "manifest.json").exists():
         return None
     m = EngineManifest.load(engine_dir)
     try:
-        if m.device is Device.TENSORRT and not reference_executor():
-            check_tensorrt(m)
-        elif m.device is Device.CUDA:
-            check_device(m)
+        check_here(m)
     except (RuntimeError, ImportError) as exc:
         return str(exc)
     return None

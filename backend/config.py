@@ -8,7 +8,6 @@ and is mapped to Triton INVALID_ARG.
 """
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 
@@ -21,14 +20,62 @@ class RequestError(ValueError):
         self.field = field_name
 
 
-class DrafterKind(str, enum.Enum):
-    NONE = "none"                    # plain decoding
-    PROMPT_LOOKUP = "prompt-lookup"  # n-gram match in prompt + generated text
-    DRAFT_MODEL = "draft-model"      # separate draft model or self-draft (first N layers)
-    EAGLE = "eagle"                  # trained feature-level draft head
-    LOOKUP_EAGLE = "lookup+eagle"    # prompt lookup when it matches, else the EAGLE head
-    MEDUSA = "medusa"                # Medusa heads on the target's last hidden state (a chain)
-    AUTO = "auto"                    # the server's default drafter
+class _DrafterKinds(type):
+    """Iterating DrafterKind lists the registered kinds, as iterating an Enum lists its members."""
+
+    def __iter__(cls):
+        return iter(list(cls._known.values()))
+
+
+class DrafterKind(str, metaclass=_DrafterKinds):
+    """A drafter's name, as a request's `drafter` input and the server's default name it.
+
+    Behaves as a str Enum (one object per name, compared with `is`; DrafterKind("x") raises
+    ValueError for a name nobody registered; `.value` is the name) but is open: a drafter kind
+    defined elsewhere registers its name (draft_kinds/, `DrafterKind.register`), so a new kind
+    needs no edit here."""
+
+    _known: dict[str, "DrafterKind"] = {}
+
+    def __new__(cls, value):
+        if isinstance(value, DrafterKind):
+            return value
+        try:
+            return cls._known[value]
+        except (KeyError, TypeError):
+            raise ValueError(f"{value!r} is not a valid DrafterKind") from None
+
+    @classmethod
+    def register(cls, value: str) -> "DrafterKind":
+        if value not in cls._known:
+            cls._known[value] = str.__new__(cls, value)
+        return cls._known[value]
+
+    @classmethod
+    def unregister(cls, value: str) -> None:
+        cls._known.pop(value, None)
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"DrafterKind({self.value!r})"
+
+    def __reduce__(self):
+        return DrafterKind, (self.value,)
+
+
+DrafterKind.NONE = DrafterKind.register("none")                    # plain decoding
+DrafterKind.PROMPT_LOOKUP = DrafterKind.register("prompt-lookup")  # n-gram match in prompt + generated text
+DrafterKind.DRAFT_MODEL = DrafterKind.register("draft-model")      # separate draft model or self-draft (first N layers)
+DrafterKind.EAGLE = DrafterKind.register("eagle")                  # trained feature-level draft head
+DrafterKind.LOOKUP_EAGLE = DrafterKind.register("lookup+eagle")    # prompt lookup when it matches, else the EAGLE head
+DrafterKind.MEDUSA = DrafterKind.register("medusa")                # Medusa heads on the target's last hidden state (a chain)
+DrafterKind.AUTO = DrafterKind.register("auto")                    # the server's default drafter
 
 
 @dataclass(frozen=True)

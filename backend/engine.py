@@ -10,56 +10,23 @@ from backend.controller import AdaptiveController, Controller, CostModel, FixedC
 from backend.decoder import SpecDecoder
 from backend.drafters.base import Drafter
 from backend.manifest import EngineManifest
-from backend.runtime import load_runtime
+from backend.devices import load_runtime
 from backend.tokenizer import Tokenizer
-
-
-def default_draft_model(manifest: EngineManifest) -> str | None:
-    for name, d in manifest.drafts.items():
-        if d.kind == "model":
-            return name
-    for name, d in manifest.drafts.items():
-        if d.kind == "self":
-            return name
-    return None
 
 
 def make_drafters(manifest: EngineManifest, spec: SpecConfig, options: RuntimeOptions | None = None,
                   remote: RemoteDraft | None = None, kinds: set | None = None) -> dict[DrafterKind, Drafter]:
-    """Every drafter the manifest can run (or those of `kinds`): prompt lookup always, a draft
-    model and the EAGLE head (alone and behind prompt lookup) where the build made them; with
-    `remote`, the node's kind drafts on a draft node instead (drafters/remote.py), prompt lookup
-    its fallback."""
-    from backend.drafters.prompt_lookup import PromptLookupDrafter
+    """Every drafter the manifest can run (or those of `kinds`), kind by kind (draft_kinds.KINDS):
+    prompt lookup always, and what each kind built; with `remote`, the node's kind drafts on a
+    draft node instead (drafters/remote.py), prompt lookup its fallback."""
+    from backend import draft_kinds
 
     want = lambda k: kinds is None or k in kinds
-    lookup = PromptLookupDrafter(spec.prompt_lookup_min_ngram, spec.prompt_lookup_max_ngram,
-                                 spec.prompt_lookup_width, spec.max_draft_tokens)
-    drafters: dict[DrafterKind, Drafter] = {DrafterKind.PROMPT_LOOKUP: lookup}
-    name = spec.draft_model or default_draft_model(manifest)
-    if remote is not None and remote.kind is DrafterKind.DRAFT_MODEL:
-        drafters[DrafterKind.DRAFT_MODEL] = remote_drafter(remote, spec, lookup)
-    elif name is not None and want(DrafterKind.DRAFT_MODEL):
-        from backend.drafters.draft_model import DraftModelDrafter
-
-        drafters[DrafterKind.DRAFT_MODEL] = DraftModelDrafter(
-            load_runtime(manifest, engine=name, options=options), spec.draft_width, spec.max_draft_tokens)
-    eagle = None
-    if remote is not None and remote.kind is DrafterKind.EAGLE:
-        eagle = remote_drafter(remote, spec, lookup)
-    elif "eagle" in manifest.drafts and want(DrafterKind.EAGLE):
-        from backend.drafters.eagle import EagleDrafter
-
-        eagle = EagleDrafter.from_manifest(manifest, spec, options)
-    if "medusa" in manifest.drafts and want(DrafterKind.MEDUSA):
-        from backend.drafters.medusa import MedusaDrafter
-
-        drafters[DrafterKind.MEDUSA] = MedusaDrafter.from_manifest(manifest)
-    if eagle is not None:
-        from backend.drafters.hybrid import LookupEagleDrafter
-
-        drafters[DrafterKind.EAGLE] = eagle
-        drafters[DrafterKind.LOOKUP_EAGLE] = LookupEagleDrafter(lookup, eagle)
+    drafters: dict[DrafterKind, Drafter] = {}
+    for kind in draft_kinds.KINDS:
+        drafters.update(kind.make(manifest, spec, options, drafters, want))
+        if remote is not None and DrafterKind.PROMPT_LOOKUP in drafters and remote.kind not in drafters:
+            drafters[remote.kind] = remote_drafter(remote, spec, drafters[DrafterKind.PROMPT_LOOKUP])
     return drafters
 
 

@@ -28,14 +28,11 @@ class WeightFormat(str, enum.Enum):
 
 
 class Device(str, enum.Enum):
-    CPU = "cpu"    # ONNX Runtime graphs (runtime/ort.py)
+    """Where the engines run; each device's backends (formats, export, loading) are in
+    backend/devices."""
+    CPU = "cpu"    # our C decode step over GGUF blocks (gguf), ONNX Runtime graphs (fp32, q4)
     CUDA = "cuda"  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
     TENSORRT = "tensorrt"  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
-
-
-FORMATS = {Device.CPU: (WeightFormat.FP32, WeightFormat.Q4, WeightFormat.GGUF),
-           Device.CUDA: (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8),
-           Device.TENSORRT: (WeightFormat.FP32, WeightFormat.FP8)}
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def tokenizer(manifest):
 
 @pytest.fixture(scope="session")
 def fp32_runtime(manifest):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     rt = load_runtime(manifest, "fp32")
     yield rt

@@ -10,7 +10,7 @@ from backend.build import quant
 from backend.build.checkpoint import CheckpointError, load_checkpoint
 from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
 from backend.manifest import WeightFormat
-from backend.runtime import load_runtime
+from backend.devices import load_runtime
 from conftest import chain, make_tiny_checkpoint
 
 torch = pytest.importorskip("torch")

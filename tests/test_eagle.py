@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 def test_head_onnx_equals_torch(tiny):
     from backend.build.checkpoint import load_checkpoint
     from backend.build.graph import rope_tables
-    from backend.drafters.eagle_export import head_checkpoint
+    from backend.build.heads.eagle import head_checkpoint
     from backend.runtime.ort import OrtRuntime
     from backend.train.eagle_model import EagleHead, causal_mask
     from backend.train.eagle_train import load_head
@@ -175,14 +175,14 @@ def test_a_remote_head_drafts_through_a_draft_node_losslessly(tiny):
 
     from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
     from backend.draft_node import DraftNode
-    from backend.drafters.eagle import EagleDrafter
+    from backend.draft_kinds import eagle_drafter
     from backend.drafters.remote import RemoteDrafter
     from backend.engine import make_decoder
     from backend.sequence import Request
 
     m, _ = tiny
     spec = SpecConfig(num_draft_tokens=6, max_tree_nodes=6, eagle_depth=3, eagle_topk=3)
-    node = DraftNode(EagleDrafter.from_manifest(m, spec), m.model.vocab_size)
+    node = DraftNode(eagle_drafter(m, spec), m.model.vocab_size)
     wire = lambda req, feats: json.loads(json.dumps(node.handle(json.loads(json.dumps(req)), feats)))
     dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=spec))
     local = dec.drafters[DrafterKind.EAGLE]

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
-from backend.drafters.head_formats import HeadFormatError, feature_layers, read_head  # noqa: E402
+from backend.build.heads.formats import HeadFormatError, feature_layers, read_head  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
 from conftest import assert_greedy_identity, chain, device_env, make_tiny_checkpoint, spec_decoder  # noqa: E402
 
@@ -114,7 +114,7 @@ def _close(got, want) -> float:
 
 
 def test_target_engines_output_the_inputs_of_the_head_s_layers(built):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, ckpt, _ = built
     ef = m.engine()
@@ -137,8 +137,9 @@ def test_target_engines_output_the_inputs_of_the_head_s_layers(built):
 
 def test_a_published_eagle3_head_computes_what_its_reference_computes(built):
     from backend.config import SpecConfig
-    from backend.drafters.eagle import EagleDrafter, head_features
-    from backend.runtime import load_runtime
+    from backend.drafters.eagle import head_features
+    from backend.draft_kinds import eagle_drafter
+    from backend.devices import load_runtime
 
     m, ckpt, state = built
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
@@ -148,7 +149,7 @@ def test_a_published_eagle3_head_computes_what_its_reference_computes(built):
         hs = hf(torch.tensor([ids.tolist()]), output_hidden_states=True).hidden_states
     aux = torch.cat([hs[j][0, :n] for j in m.engine().feature_layers], -1)
     want_x, want = reference_eagle3(hf, state, aux, ids[1:])
-    drafter = EagleDrafter.from_manifest(m, SpecConfig())
+    drafter = eagle_drafter(m, SpecConfig())
     target = load_runtime(m)
     target.alloc(0)
     feats = target.forward([0], ids[None], chain(ids.size), np.arange(ids.size)[None]).hidden[0, :n]

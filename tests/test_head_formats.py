@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
-from backend.drafters.head_formats import HeadFormatError  # noqa: E402
+from backend.build.heads.formats import HeadFormatError  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
 from conftest import device_env, assert_greedy_identity, chain, make_tiny_checkpoint  # noqa: E402
 
@@ -98,7 +98,7 @@ def reference_head_logits(ckpt, state, features: np.ndarray, next_ids: np.ndarra
 
 
 def test_a_published_eagle_head_computes_what_its_reference_computes(built):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, ckpt, state = built
     assert m.drafts["eagle"].extra["layout"] == "eagle" and m.drafts["eagle"].extra["norms"] == []
@@ -129,7 +129,7 @@ def test_speculation_with_a_published_eagle_head_is_lossless(built):
 def test_incomplete_eagle3_and_medusa_checkpoints_are_refused_saying_why(tmp_path, keys, match):
     from safetensors.torch import save_file
 
-    from backend.drafters.head_formats import read_head
+    from backend.build.heads.formats import read_head
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     save_file({k: torch.zeros(s) for k, s in keys.items()}, str(tmp_path / "model.safetensors"))

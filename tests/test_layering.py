@@ -69,3 +69,24 @@ def test_nothing_imports_upward_into_cli_or_serve():
     into_serve = {m: sorted(t for t in ts if within(t, "backend.serve"))
                   for m, ts in g.items() if not within(m, "backend.cli", "backend.bench", "backend.serve")}
     assert {m: t for m, t in into_serve.items() if t} == {}
+
+
+def test_the_serving_wings_never_reach_the_build_or_the_device_seam():
+    """Runtimes and drafters are loaded by the device seam (backend/devices), the drafter kinds
+    (backend/draft_kinds) and the assembly (engine.py); they never reach the exporters, the head
+    readers, the kinds or the seam itself."""
+    g = import_graph()
+    bad = {m: sorted(t for t in reach(g, m) if within(t, "backend.build", "backend.devices", "backend.draft_kinds"))
+           for m in g if within(m, "backend.runtime", "backend.drafters", "backend.controller", "backend.decoder",
+                                "backend.engine_format")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_every_device_is_one_backend_in_the_registry():
+    from backend.devices import BACKENDS, backend_for, formats
+    from backend.manifest import Device
+
+    assert {b.device for b in BACKENDS} == set(Device)
+    for b in BACKENDS:
+        assert all(backend_for(b.device, f) is b for f in b.formats) and set(b.defaults) <= set(b.formats)
+    assert set(formats(Device.CPU)) == {"gguf", "fp32", "q4"}

@@ -73,7 +73,7 @@ def decoder(m, **spec):
 
 
 def test_the_chain_is_what_medusa_computes_and_the_build_prices_it(built):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, heads = built
     assert m.drafts["medusa"].kind == "medusa" and m.cost_model["draft_step_s"]["medusa"] > 0

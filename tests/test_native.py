@@ -49,7 +49,7 @@ def tiny(tmp_path_factory):
 def test_build_logits_and_invariance(tiny):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, ckpt, repo = tiny
     ef = m.engine("gguf")
@@ -82,7 +82,7 @@ def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):
     every real node's logits and features are bitwise those of its row run alone; padding nodes
     read zero (they are skipped, not computed)."""
     from backend.kv_cache import PAD_PARENT
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m = tiny[0]
     rt = load_runtime(m, "gguf")
@@ -113,8 +113,8 @@ def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_p
     from dataclasses import replace
 
     from backend.build.checkpoint import load_checkpoint
-    from backend.drafters.eagle_export import export_eagle_head
-    from backend.runtime import load_runtime
+    from backend.build.heads.eagle import export_eagle_head
+    from backend.devices import load_runtime
     from backend.runtime.ort import OrtRuntime
 
     m, ckpt, _ = tiny
@@ -140,7 +140,7 @@ def test_the_ctypes_boundary_refuses_what_would_write_out_of_bounds(tiny):
     """Slot indices, columns, positions, ids, feature shapes and a closed runtime are checked
     before the kernel writes (decode.c check_step, NativeRuntime._check_shapes): a Python error,
     never a write past a buffer, and the runtime serves on (issue 31)."""
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m = tiny[0]
     rt = load_runtime(m, "gguf")
@@ -175,7 +175,7 @@ def test_close_waits_for_a_forward_in_flight(tiny):
     import threading
     import time
 
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     rt = load_runtime(tiny[0], "gguf")
     rt.alloc(0)

@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def test_build_logits_invariance_and_repository(tiny):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, ckpt, repo = tiny
     assert m.device is Device.CUDA and m.gpu is None and m.cost_model is not None
@@ -93,7 +93,7 @@ def test_requests_beyond_the_kv_slots_wait_for_room(tiny):
 
 
 def test_a_repository_built_for_another_gpu_refuses_to_load(tiny, tmp_path):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, _, _ = tiny
     other = json.loads((m.root / "manifest.json").read_text())

@@ -53,7 +53,7 @@ def test_corpus_is_fixed_text_as_chats(trained):
 def test_stored_features_give_the_targets_distribution(trained):
     """Training labels are softmax(feature @ LM head): check that against the engine's logits."""
     from backend.build.checkpoint import load_checkpoint
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
     from backend.train.eagle_train import _load_shards
 
     m, _, cfg = trained
@@ -129,7 +129,7 @@ def trained3(tmp_path_factory):
 def test_an_eagle3_head_trains_on_three_layers_and_is_written_in_the_reference_layout(trained3):
     from backend.build.checkpoint import load_checkpoint
     from backend.build.graph import rope_tables
-    from backend.drafters.head_formats import layout, read_head
+    from backend.build.heads.formats import layout, read_head
     from backend.train.eagle_model import Eagle3Head
     from backend.train.eagle_train import _load_shards, validate
 

@@ -66,7 +66,7 @@ def test_the_fp8_engine_graph_has_float8_qdq_and_plugin_nodes(tiny):
 
 
 def test_engine_runtime_logits_and_invariance(tiny):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, ckpt, _ = tiny
     assert m.engines["fp32"].batch_invariant and m.cost_model is not None
@@ -99,7 +99,7 @@ def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):
 
 
 def test_a_repository_not_built_for_this_gpu_and_tensorrt_refuses_to_load(tiny, tmp_path, monkeypatch, capsys):
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     m, _, _ = tiny
     monkeypatch.setenv("SPECDEC_EXECUTOR", "auto")

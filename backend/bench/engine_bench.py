@@ -58,7 +58,7 @@ def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict],
     from backend.config import DrafterKind, SamplingParams, ServeConfig
     from backend.decoder import SpecDecoder
     from backend.engine import make_decoder
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
     from backend.sequence import Request
     from backend.tokenizer import Tokenizer
 
@@ -96,7 +96,7 @@ def run(manifest: EngineManifest, prompts: list[dict], out_json: Path | None, pl
         formats: list[str] | None = None, reps: int = 10, max_new: int = 64,
         quick: bool = False) -> dict:
     from backend.build.check import measure_invariance
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     formats = formats or list(manifest.engines)
     tokens = TOKENS if not quick else (1, 2, 4, 8)

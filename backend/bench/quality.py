@@ -43,7 +43,7 @@ def run(engine_dir: str, fmt: str, reference: str, prompts: list[dict], max_new_
         json_path: str | None) -> dict:
     from backend.config import RuntimeOptions
     from backend.manifest import EngineManifest
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
     from backend.tokenizer import Tokenizer
 
     m = EngineManifest.load(engine_dir)

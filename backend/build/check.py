@@ -14,7 +14,7 @@ def measure_invariance(manifest: EngineManifest, ef: EngineFile, prompt_len: int
     """Largest |logit difference| between verify forwards (chain and tree) and single steps.
     The two sequences hold their prompt in different column layouts (one has garbage columns of
     rejected drafts after it) and cross 256 columns, where GEMM kernels block their sums."""
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     rt = load_runtime(manifest, ef.weights)
     rng = np.random.default_rng(seed)

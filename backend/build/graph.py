@@ -216,7 +216,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
     if eagle3:
         # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
-        # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (eagle_export.py)
+        # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (build/heads/eagle.py)
         embeds, x = x, "features"
     elif spec.eagle:
         # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)

@@ -82,7 +82,7 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
               head: Checkpoint | None = None, head_fc=None, features: tuple[int, ...] = ()) -> dict:
     """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
     model on `prompts` (token id lists), run on the CPU. With `head` (an EAGLE head as a
-    1-layer checkpoint, drafters/eagle_export.head_checkpoint): the head's, run on the target's
+    1-layer checkpoint, build/heads/eagle.head_checkpoint): the head's, run on the target's
     features of the same prompts, as it drafts (x_{t+1} with the feature of x_t; an EAGLE-3 head:
     its fc `head_fc` over the target's `features` layers, drafters/eagle.head_features)."""
     from backend.drafters.eagle import HostFC, head_features
@@ -145,27 +145,35 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
     return engines, timings
 
 
-def build_draft(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path, log):
-    """--draft for the torch runtime -> (manifest name, DraftEntry). self:N reads the first N
-    layers of the target's own file; a head or a draft model is written in bf16 (fp32 beside an
-    fp32 target)."""
-    from backend.build.drafts import draft_checkpoint, eagle_entry, head_dir, self_layers
+def _draft_format(target: EngineFile) -> WeightFormat:
+    """Drafts are written in bf16 (fp32 beside an fp32 target)."""
+    return WeightFormat.FP32 if target.weights is WeightFormat.FP32 else WeightFormat.BF16
+
+
+def export_layers(ck: Checkpoint, n: int, target: EngineFile, log):
+    """A self-draft reads the first n layers of the target's own file: no new file."""
     from backend.manifest import DraftEntry
 
+    log(f"self-draft: first {n} layers + head of {target.path}")
+    return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
 
-    fmt = WeightFormat.FP32 if target.weights is WeightFormat.FP32 else WeightFormat.BF16
-    if spec.startswith("self:"):
-        n = self_layers(spec, ck.config)
-        log(f"self-draft: first {n} layers + head of {target.path}")
-        return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
-    if spec.startswith("eagle:"):
-        from backend.drafters.eagle_export import head_checkpoint
 
-        head = head_dir(spec)
-        hck, vocab = head_checkpoint(head, ck)
-        ef = export(hck, fmt, 1, engine_dir, "draft_eagle")
-        log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
-        return "eagle", eagle_entry(head, engine_dir, ef.path, vocab)
+def export_head(head: Path, ck: Checkpoint, target: EngineFile, engine_dir: Path, log):
+    from backend.build.drafts import eagle_entry
+    from backend.build.heads.eagle import head_checkpoint
+
+    fmt = _draft_format(target)
+    hck, vocab = head_checkpoint(head, ck)
+    ef = export(hck, fmt, 1, engine_dir, "draft_eagle")
+    log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
+    return "eagle", eagle_entry(head, engine_dir, ef.path, vocab)
+
+
+def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, engine_dir: Path, log):
+    from backend.build.drafts import draft_checkpoint
+    from backend.manifest import DraftEntry
+
+    fmt = _draft_format(target)
     dck = draft_checkpoint(spec, ck.config)
     ef = export(dck, fmt, dck.config.num_layers, engine_dir, f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}")
     log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")

@@ -82,29 +82,36 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
     return engines, timings, act
 
 
-def build_draft(spec: str, ck: Checkpoint, target: EngineFile, act: dict | None, max_seq_len: int,
-                engine_dir: Path, tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
-    """--draft as an engine graph without the verification tail, in the target's format."""
-    from backend.build.drafts import draft_checkpoint, eagle3_fc, eagle_entry, head_dir, self_layers
+# Drafts: engine graphs without the verification tail, in the target's format.
+def export_layers(ck: Checkpoint, n: int, target: EngineFile, act: dict | None, max_seq_len: int, engine_dir: Path,
+                  log) -> tuple[str, DraftEntry]:
+    fmt = target.weights
+    ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
+                f"draft_self{n}_{fmt.value}", act)
+    log(f"self-draft: first {n} layers + head, {fmt.value}")
+    return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
+
+
+def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
+                tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
+    from backend.build.drafts import eagle3_fc, eagle_entry
+    from backend.build.heads.eagle import head_checkpoint
 
     fmt = target.weights
-    if spec.startswith("self:"):
-        n = self_layers(spec, ck.config)
-        ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
-                    f"draft_self{n}_{fmt.value}", act)
-        log(f"self-draft: first {n} layers + head, {fmt.value}")
-        return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
-    if spec.startswith("eagle:"):
-        from backend.drafters.eagle_export import head_checkpoint
+    hck, vocab = head_checkpoint(head, ck)
+    hact = (_calibrate(ck, max_seq_len, tokenizer_json, log, hck, *eagle3_fc(head, target))
+            if fmt is WeightFormat.FP8 else None)
+    ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
+                f"draft_eagle_{fmt.value}", hact)
+    log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
+    return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, weights=fmt.value)
 
-        head = head_dir(spec)
-        hck, vocab = head_checkpoint(head, ck)
-        hact = (_calibrate(ck, max_seq_len, tokenizer_json, log, hck, *eagle3_fc(head, target))
-                if fmt is WeightFormat.FP8 else None)
-        ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
-                    f"draft_eagle_{fmt.value}", hact)
-        log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
-        return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, weights=fmt.value)
+
+def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
+                       tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
+    from backend.build.drafts import draft_checkpoint
+
+    fmt = target.weights
     dck = draft_checkpoint(spec, ck.config)
     dact = _calibrate(dck, max_seq_len, tokenizer_json, log) if fmt is WeightFormat.FP8 else None
     stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"

@@ -110,18 +110,15 @@ class EagleDrafter:
                              catches_up=True, needs_hidden=True)
 
     @classmethod
-    def from_manifest(cls, manifest, spec: SpecConfig, options=None) -> "EagleDrafter":
-        """The head built into `manifest`, on the runtime `load_runtime` gives it (options:
-        runtime.RuntimeOptions, as the target's)."""
-        from backend.runtime import load_runtime
-
-        rt = load_runtime(manifest, engine="eagle", options=options)
-        vocab = np.load(manifest.resolve(manifest.drafts["eagle"].extra["vocab_path"]))
-        gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
+    def from_manifest(cls, manifest, spec: SpecConfig, runtime) -> "EagleDrafter":
+        """The head built into `manifest`, on `runtime` (the head's engine, loaded by the
+        caller: draft_kinds.eagle_drafter)."""
         extra = manifest.drafts["eagle"].extra
-        fc = (HostFC(np.load(manifest.resolve(extra["fc_path"])), getattr(rt, "threads", 1))
+        vocab = np.load(manifest.resolve(extra["vocab_path"]))
+        gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
+        fc = (HostFC(np.load(manifest.resolve(extra["fc_path"])), getattr(runtime, "threads", 1))
               if "fc_path" in extra else None)
-        return cls(rt, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
+        return cls(runtime, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:
         return None                                  # point-mass drafts: lossless for all

@@ -90,7 +90,7 @@ def extract_hidden(engine_dir: Path, records: list[dict], out_dir: Path, fmt: st
     1/probe_every of the rows pay for the full LM head here. One forward per record. With
     `feature_layers` (EAGLE-3) each row is [final norm | the inputs of those layers]."""
     from backend.manifest import EngineManifest
-    from backend.runtime import load_runtime
+    from backend.devices import load_runtime
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [records[i: i + shard_size] for i in range(0, len(records), shard_size)]

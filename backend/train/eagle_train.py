@@ -199,7 +199,7 @@ def validate(model, seqs, vocab: np.ndarray) -> dict:
 
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers an EAGLE-3 head trained here reads: the reference's default."""
-    from backend.drafters.head_formats import feature_layers
+    from backend.build.heads.formats import feature_layers
 
     return feature_layers({"layout": "eagle3"}, num_layers)
 
@@ -411,8 +411,8 @@ def save_eagle3(out: Path, model, hcfg: dict, vocab: np.ndarray, manifest, meta:
 
 def load_head(head_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """A head's (config, weights) in our names: ours as saved, published layouts through
-    drafters/head_formats.read_head."""
-    from backend.drafters.head_formats import read_head
+    build/heads/formats.read_head."""
+    from backend.build.heads.formats import read_head
 
     return read_head(Path(head_dir))
 

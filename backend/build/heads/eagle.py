@@ -24,9 +24,9 @@ EAGLE_NATIVE = "draft_eagle.bin"
 
 
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
-    """The head (any layout drafters/head_formats.py reads) as a 1-layer Checkpoint (vocab =
+    """The head (any layout build/heads/formats.py reads) as a 1-layer Checkpoint (vocab =
     draft vocabulary) and its vocab map [Vd]."""
-    from backend.drafters.head_formats import read_head
+    from backend.build.heads.formats import read_head
 
     cfg, w = read_head(head_dir)
     shape = (cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["intermediate_size"])

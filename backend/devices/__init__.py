@@ -1,0 +1,97 @@
+"""The device seam: every engine backend, and the one place a runtime is chosen (`load_runtime`).
+
+Knows: the backends (BACKENDS: one object per device and runtime, devices/base.py's contract),
+which backend owns a (device, weight format), how a manifest's engine or draft resolves to a
+file and model numbers. Does not know: what a backend does inside (devices/*.py).
+
+Layering: this wing imports the build wing (export) and the runtimes (loading); neither of those
+imports it, and the runtimes never import the build wing (engine-file readers both share live in
+backend/engine_format.py; tests/test_layering.py).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from backend.config import RuntimeOptions
+from backend.devices.base import BuildContext, EngineBackend, EngineRef
+from backend.devices.cuda import CudaBackend
+from backend.devices.native import NativeBackend
+from backend.devices.onnx import OrtBackend
+from backend.devices.tensorrt import TensorrtBackend, reference_executor
+from backend.manifest import Device, EngineManifest, ModelConfig, WeightFormat
+
+__all__ = ["BACKENDS", "BuildContext", "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here",
+           "default_weights", "formats", "load_runtime", "reference_executor"]
+
+# One line per backend; on a device with several, the first whose formats include a format owns it,
+# and default builds list the available ones' defaults in this order (the first format serves).
+BACKENDS: tuple[EngineBackend, ...] = (NativeBackend(), OrtBackend(), CudaBackend(), TensorrtBackend())
+
+TARGET = "target"
+
+
+def formats(device: Device) -> tuple[WeightFormat, ...]:
+    """Every weight format a build for `device` can make."""
+    seen: list[WeightFormat] = []
+    for b in BACKENDS:
+        if b.device is device:
+            seen += [f for f in b.formats if f not in seen]
+    return tuple(seen)
+
+
+def backend_for(device: Device, fmt: WeightFormat | str) -> EngineBackend:
+    fmt = WeightFormat(fmt)
+    for b in BACKENDS:
+        if b.device is device and fmt in b.formats:
+            return b
+    raise ValueError(f"weight format {fmt.value!r} is not one of --device {device.value} "
+                     f"(formats: {', '.join(f.value for f in formats(device))})")
+
+
+def default_weights(device: Device) -> tuple[WeightFormat, ...]:
+    """The formats a build makes when --weights is not given; the first one serves. On a CPU the
+    GGUF blocks on our own kernel (fastest, batch invariant by construction: perf-notes §12),
+    where the install compiled it, then fp32 and q4 on ONNX Runtime."""
+    out: list[WeightFormat] = []
+    for b in BACKENDS:
+        if b.device is device and b.missing() is None:
+            out += [f for f in b.defaults if f not in out]
+    return tuple(out)
+
+
+def check_here(manifest: EngineManifest) -> str:
+    """Raise RuntimeError (with the rebuild command) where this machine cannot run the manifest's
+    serving engine; else the torch device name it runs on."""
+    return backend_for(manifest.device, manifest.default_format).check_here(manifest)
+
+
+def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None, *,
+                 engine: str = TARGET, options: RuntimeOptions | None = None,
+                 feature_layers: tuple[int, ...] | None = None):
+    """A runtime over one engine of `manifest`: the target in weight format `fmt` (default: the
+    manifest's), or a draft engine by its manifest name (`--draft PATH` -> "model",
+    `--draft self:N` -> "selfN", `--draft eagle:DIR` -> "eagle"), on the backend that owns the
+    manifest's device and the engine's format. feature_layers: the target's EAGLE-3 feature
+    layers instead of the engine's (training a head: the native and torch runtimes take any; an
+    ONNX graph has its own built in)."""
+    options = options or RuntimeOptions()
+    if engine == TARGET:
+        ef = manifest.engine(fmt)
+        backend = backend_for(manifest.device, ef.weights)
+        features = ef.feature_layers if feature_layers is None else tuple(feature_layers)
+        if features != ef.feature_layers and not backend.any_feature_layers:
+            raise ValueError(f"the {ef.weights.value} engine outputs the features of layers {list(ef.feature_layers)}, "
+                             f"not {list(features)}: its graph has them built in (use the gguf engine)")
+        ref = EngineRef(manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token, features)
+        return backend.load(manifest, ref, options)
+    if engine not in manifest.drafts:
+        raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
+    d = manifest.drafts[engine]
+    if d.kind == "eagle":
+        cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+    else:
+        cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
+    weights = d.extra.get("weights", manifest.default_format)
+    backend = backend_for(manifest.device, weights)
+    ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, bool(d.extra.get("pad_single_token", False)))
+    return backend.load(manifest, ref, options)

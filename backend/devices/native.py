@@ -1,0 +1,54 @@
+"""CPU engines on our own C decode step (plugins/native, runtime/native.py): the GGUF's own
+blocks, repacked for the kernel. The CPU default where the install compiled the kernel.
+
+Knows: the native engine file (build/native_engine.py writes it), which drafts run on the
+kernel beside it (the target's first layers, an EAGLE head) and which on ONNX Runtime (a draft
+model), loading runtime/native.py. Does not know: the decode algorithm.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from backend.devices.base import EngineBackend, EngineRef
+from backend.devices.onnx import export_draft_model, export_eagle
+from backend.manifest import Device, DraftEntry, WeightFormat
+
+
+class NativeBackend(EngineBackend):
+    name = "native"
+    device = Device.CPU
+    formats = (WeightFormat.GGUF,)
+    defaults = (WeightFormat.GGUF,)
+    any_feature_layers = True            # the kernel outputs whichever layers the runtime names
+
+    def missing(self):
+        from backend.runtime import native
+
+        if native.compiled():
+            return None
+        return ("needs the native CPU kernel, which the install did not compile (no C compiler with OpenMP?): "
+                "install gcc and rerun `.venv/bin/pip install -e '.[all]'`, or build --weights fp32,q4")
+
+    def export_targets(self, ctx, formats):
+        from backend.build.native_engine import export_native
+
+        assert formats == (WeightFormat.GGUF,), formats
+        t0 = time.time()
+        ef = export_native(ctx.ck, ctx.ck.config.num_layers, ctx.max_seq_len, ctx.engine_dir / "target_gguf.bin")
+        return {WeightFormat.GGUF.value: replace(ef, feature_layers=ctx.features)}, {"gguf": time.time() - t0}
+
+    def export_layers(self, ctx, n, serving):      # the serving engine's first n layers, no new file
+        ctx.log(f"self-draft: first {n} layers + head of {serving.path}")
+        return f"self{n}", DraftEntry("self", serving.path, n, ctx.ck.source, {"weights": serving.weights.value})
+
+    def export_model(self, ctx, path, serving):      # a separate draft model runs on ONNX Runtime
+        return export_draft_model(ctx, path)
+
+    def export_head(self, ctx, head, serving):
+        return export_eagle(ctx, head, native=True)
+
+    def load(self, manifest, ref: EngineRef, options):
+        from backend.runtime.native import NativeRuntime
+
+        return NativeRuntime(ref.path, ref.config, ref.num_layers, manifest.max_seq_len, options, ref.feature_layers)

@@ -1,0 +1,95 @@
+"""CPU engines on ONNX Runtime: fp32 (the exact reference) and q4 (MatMulNBits) graphs.
+
+Knows: how a checkpoint becomes an ONNX decoder graph here (build/graph.py), the draft forms on
+this runtime, loading runtime/ort.py. Does not know: the decode algorithm.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from backend.devices.base import BuildContext, EngineBackend, EngineRef
+from backend.manifest import Device, DraftEntry, EngineFile, WeightFormat
+
+
+def export_graph(ck, fmt: WeightFormat, num_layers: int, ctx: BuildContext, stem: str,
+                 features: tuple[int, ...] = ()) -> EngineFile:
+    """One ONNX decoder graph (the first `num_layers` layers + head) -> its EngineFile."""
+    import sys
+
+    from tqdm import tqdm
+
+    from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
+
+    bar = tqdm(total=num_layers, desc=f"export {stem}", unit="layer", disable=ctx.quiet, file=sys.stderr,
+               leave=False)
+    model = build_decoder(ck, GraphSpec(fmt, num_layers, ctx.max_seq_len, feature_layers=features),
+                          progress=bar.update)
+    bar.close()
+    path = ctx.engine_dir / f"{stem}.onnx"
+    per_token = weight_bytes_per_token(model)
+    size = save_model(model, path)
+    return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=size,
+                      pad_single_token=fmt is WeightFormat.Q4, weight_bytes_per_token=per_token,
+                      feature_layers=features)
+
+
+def export_draft_model(ctx: BuildContext, spec: str) -> tuple[str, DraftEntry]:
+    """A separate draft model (same vocabulary) as a q4 graph (fp32 where its width is not a
+    multiple of the 4-bit block)."""
+    from backend.build import drafts as drafts_mod
+
+    dck = drafts_mod.draft_checkpoint(spec, ctx.ck.config)
+    fmt = WeightFormat.Q4 if dck.config.hidden_size % 32 == 0 else WeightFormat.FP32
+    stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
+    ef = export_graph(dck, fmt, dck.config.num_layers, ctx, stem)
+    ctx.log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
+                               {"weights": fmt.value, "pad_single_token": ef.pad_single_token,
+                                "model": dck.config.to_json()})
+
+
+def export_eagle(ctx: BuildContext, head: Path, native: bool) -> tuple[str, DraftEntry]:
+    """An EAGLE head as a 1-layer engine: on the native kernel beside a gguf target, else ONNX."""
+    from backend.build import drafts as drafts_mod
+    from backend.build.heads.eagle import export_eagle_head
+
+    path, vocab = export_eagle_head(head, ctx.ck, ctx.engine_dir, ctx.max_seq_len, native=native)
+    entry = drafts_mod.eagle_entry(head, ctx.engine_dir, path.name, vocab,
+                                   **({"weights": WeightFormat.GGUF.value} if native else {}))
+    ctx.log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.extra['draft_vocab_size']})")
+    return "eagle", entry
+
+
+class OrtBackend(EngineBackend):
+    name = "onnxruntime"
+    device = Device.CPU
+    formats = (WeightFormat.FP32, WeightFormat.Q4)
+    defaults = (WeightFormat.FP32, WeightFormat.Q4)
+
+    def export_targets(self, ctx, formats):
+        engines, timings = {}, {}
+        for fmt in formats:
+            t0 = time.time()
+            engines[fmt.value] = export_graph(ctx.ck, fmt, ctx.ck.config.num_layers, ctx, f"target_{fmt.value}",
+                                              ctx.features)
+            timings[fmt.value] = time.time() - t0
+        return engines, timings
+
+    def export_layers(self, ctx, n, serving):
+        ef = export_graph(ctx.ck, WeightFormat.Q4, n, ctx, f"draft_self{n}_q4")
+        ctx.log(f"self-draft: first {n} layers + head, q4")
+        return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source,
+                                     {"weights": "q4", "pad_single_token": ef.pad_single_token})
+
+    def export_model(self, ctx, path, serving):
+        return export_draft_model(ctx, path)
+
+    def export_head(self, ctx, head, serving):
+        return export_eagle(ctx, head, native=False)
+
+    def load(self, manifest, ref: EngineRef, options):
+        from backend.runtime.ort import OrtRuntime
+
+        return OrtRuntime(ref.path, ref.config, ref.num_layers, manifest.max_seq_len, options,
+                          pad_single_token=ref.pad_single_token)
