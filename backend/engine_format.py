@@ -1,7 +1,7 @@
 """The engine files' formats and the model arithmetic that the build (the writer) and the
 runtimes (the readers) share, so that neither imports the other: the native kernel's blocked
-layout and file (decode.c), the TensorRT plan's name beside its ONNX file, rotary tables.
-Knows: numpy, ModelConfig, decode.c's layout. Does not know: checkpoints, graphs, runtimes.
+layout and file (plugins/native/kernels.h), the TensorRT plan's name beside its ONNX file, rotary tables.
+Knows: numpy, ModelConfig, the kernel's block layout. Does not know: checkpoints, graphs, runtimes.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import numpy as np
 
 from backend.manifest import ModelConfig
 
-LANES = 16                # outputs interleaved per block (decode.c LANES)
+LANES = 16                # outputs interleaved per block (kernels.h LANES)
 QBLOCK = 32
 ALIGN = 64
-KINDS = {"q4": 1, "q8": 2}   # decode.c SD_Q4_1, SD_Q8_0
+KINDS = {"q4": 1, "q8": 2}   # kernels.h SD_Q4_1, SD_Q8_0
 
 
 def _f16_bits(a: np.ndarray) -> np.ndarray:
@@ -38,7 +38,7 @@ def q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def repack(kind: str, d: np.ndarray, m: np.ndarray | None, ints: np.ndarray) -> np.ndarray:
-    """Source blocks -> decode.c's layout [N/16, nb, 320 | 544] uint8 (N padded to 16 with zero rows)."""
+    """Source blocks -> the kernel's layout [N/16, nb, 320 | 544] uint8 (N padded to 16 with zero rows)."""
     n, k = ints.shape
     assert k % QBLOCK == 0, f"input width {k} is not a multiple of {QBLOCK}"
     pad = (-n) % LANES

@@ -138,7 +138,7 @@ def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_p
 
 def test_the_ctypes_boundary_refuses_what_would_write_out_of_bounds(tiny):
     """Slot indices, columns, positions, ids, feature shapes and a closed runtime are checked
-    before the kernel writes (decode.c check_step, NativeRuntime._check_shapes): a Python error,
+    before the kernel writes (forward.c check_step, NativeRuntime._check_shapes): a Python error,
     never a write past a buffer, and the runtime serves on (issue 31)."""
     from backend.devices import load_runtime
 
@@ -203,6 +203,42 @@ def test_close_waits_for_a_forward_in_flight(tiny):
     assert events == ["forward returned", "closed"]
     with pytest.raises(RuntimeError, match="after close"):
         rt.forward([0], ids, chain(ids.size), np.array([[0]]))
+
+
+def test_the_workspace_grows_for_a_bigger_forward_only_and_reuse_changes_no_bit(tiny):
+    """sd_forward carves its buffers from the runtime's workspace (forward.c): a big forward grows
+    it, the decode steps after it reuse it as it is (no allocation), and their outputs are bitwise
+    those of a fresh runtime's, so nothing is read from scratch an earlier forward left. close()
+    frees it, and a refusal leaves it as it was."""
+    from backend.devices import load_runtime
+
+    m = tiny[0]
+    used, fresh = load_runtime(m, "gguf"), load_runtime(m, "gguf")
+    rng = np.random.default_rng(11)
+    big = rng.integers(3, m.model.vocab_size, 64)
+    used.alloc(1)
+    used.forward([1], big[None], chain(big.size), np.arange(big.size)[None])
+    grown = used._workspace.capacity
+    assert grown > 0 and used._workspace.data
+    prompt, steps = rng.integers(3, m.model.vocab_size, 9), rng.integers(3, m.model.vocab_size, 6)
+    outs = []
+    for rt in (used, fresh):
+        rt.alloc(0)
+        out = [rt.forward([0], prompt[None], chain(prompt.size), np.arange(prompt.size)[None]).logits.copy()]
+        rt.commit([0], [np.arange(prompt.size)])
+        for tok in steps:
+            out.append(rt.forward([0], np.array([[tok]]), chain(1), np.array([[0]])).logits.copy())
+            rt.commit([0], [np.arange(1)])
+        outs.append(out)
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    assert used._workspace.capacity == grown                    # decode steps: no regrowth
+    with pytest.raises(IndexError, match="input id"):
+        used.forward([0], np.array([[m.model.vocab_size + 5]]), chain(1), np.array([[0]]))
+    assert used._workspace.capacity == grown
+    for rt in (used, fresh):
+        rt.close()
+        assert rt._workspace.capacity == 0 and not rt._workspace.data
+    used.close()                                                # a second close frees nothing twice
 
 
 class _Sink:
@@ -280,9 +316,10 @@ def test_mixed_load_with_cancels_and_slot_reuse_stays_lossless(tiny):
     dec.target.close()
 
 
-def test_a_library_built_from_another_decode_c_is_refused_at_load():
-    """The kernel exports its ABI (struct sizes, block layout, weight kinds); a mismatch with what
-    runtime/native.py mirrors is refused naming the field, never misread (issue 25, point 4)."""
+def test_a_library_built_from_other_sources_is_refused_at_load():
+    """The kernel exports its ABI (version, struct sizes, block layout, weight kinds); a mismatch
+    with what runtime/native.py mirrors is refused naming the field, never misread (issue 25,
+    point 4)."""
     lib, path = native.library(), "plugins/_native.so"
     native.check_abi(lib, path)                                       # this build matches
     size = native.expected_abi()["sizeof sd_step"]

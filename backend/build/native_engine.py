@@ -1,15 +1,15 @@
 """The native CPU engine (WeightFormat.GGUF): a checkpoint's weights in the blocked layout that
-plugins/native/decode.c reads, in one file.
+plugins/native/kernels.h reads, in one file.
 
 GGUF blocks are kept as they are: Q4_1 and Q8_0 bit for bit (their f16 scales and offsets too),
 Q4_0 as Q4_1 with m = -8d (exact in f16). So a decode step reads the same bytes per token as
 llama.cpp on the same file. Other tensors (float checkpoints, K-quants) are dequantized and
 quantized to Q8_0 blocks (round to nearest, scale amax/127 in f16, as llama.cpp's quantize).
-The only change is the order: 16 output rows are interleaved per block (decode.c explains why).
+The only change is the order: 16 output rows are interleaved per block (kernels.h explains why).
 
 File: 8 bytes little-endian header length, a JSON header (model numbers and, per tensor, its
 offset, byte size and kind), then the tensors, each 64-byte aligned.
-Knows: GGUF block layouts, decode.c's layout. Does not know: the kernel, the runtime.
+Knows: GGUF block layouts, the kernel's layout (kernels.h). Does not know: the kernel, the runtime.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def _tool_versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     if native.compiled():
-        out["native_kernel"] = native.isa()          # the instruction set decode.c was compiled for
+        out["native_kernel"] = native.isa()          # the instruction set the kernel was compiled for
     return out
 
 

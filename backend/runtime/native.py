@@ -1,5 +1,6 @@
 """Native CPU runtime: the GGUF-block engine (build/native_engine.py) run by our own C decode
-step (plugins/native/decode.c, compiled by the project's install, loaded with ctypes).
+step (plugins/native/forward.c over the kernels of kernels.h, compiled by the project's install,
+loaded with ctypes).
 
 KV: one float16 array (llama.cpp's default KV type: half the bytes a long context streams per
 step) [layers, 2, S + 1, Hkv, L, D] (S = RuntimeOptions.max_sequences, slot S
@@ -7,6 +8,8 @@ takes padding rows' writes, L = max_seq_len + SCRATCH_COLUMNS), its bookkeeping 
 as in the torch runtime: a forward writes its nodes' KV in place and commit moves the accepted
 columns down, so no step copies the cache (the ONNX graph's Concat copied all of it each step).
 The array is allocated zeroed and lazily by the OS: memory grows with the columns in use.
+Scratch: one sd_workspace per runtime, grown by the kernel to the largest forward so far and
+freed by close() (a steady decode step allocates nothing).
 Knows: the C entry points and their structs, slots. Does not know: sampling, drafting, requests.
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ import ctypes
 import os
 import importlib.util
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +53,7 @@ class _Model(ctypes.Structure):
                 ("fc", _Matrix), ("fc_bias", _P)]
 
 
-# sd_forward's refusals (decode.c check_step): it checks every index it follows before writing
+# sd_forward's refusals (forward.c check_step): it checks every index it follows before writing
 _REFUSED = {-9: "the KV cache", -10: "row_start", -11: "a row's KV slot", -12: "a row's context length",
             -13: "an input id", -14: "a position (the rope tables)", -15: "a node's write slot",
             -16: "a node's write column", -17: "a tree path (a scratch column)",
@@ -64,6 +68,11 @@ class _Step(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("batch", "rows", "path_len", "num_logits", "threads", "num_features")] + \
                [(n, _P) for n in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx", "slots",
                                   "logit_rows", "feature_layers", "features", "hidden", "logits")]
+
+
+class _Workspace(ctypes.Structure):
+    """The kernel's scratch memory, owned here, grown there (forward.c sd_workspace)."""
+    _fields_ = [("data", _P), ("capacity", _I64)]
 
 
 _LIB = None
@@ -91,8 +100,10 @@ def library() -> ctypes.CDLL:
         path = override or importlib.util.find_spec("plugins._native").origin
         lib = ctypes.CDLL(path)
         check_abi(lib, path)
-        lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step)]
+        lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
+                                   ctypes.POINTER(_Workspace)]
         lib.sd_forward.restype = ctypes.c_int
+        lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
         lib.sd_isa.restype = ctypes.c_char_p
         lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int]
         lib.sd_matmul.restype = ctypes.c_int
@@ -101,14 +112,15 @@ def library() -> ctypes.CDLL:
 
 
 class NativeABIError(UserError, RuntimeError):
-    """The compiled kernel was built from another decode.c than this Python side mirrors."""
+    """The compiled kernel was built from other sources than this Python side mirrors."""
 
 
 def expected_abi() -> dict[str, int]:
-    """What this side was written against, in sd_abi's order (decode.c)."""
-    return {"abi version": 1, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+    """What this side was written against, in sd_abi's order (forward.c)."""
+    return {"abi version": 2, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
             "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
-            "sizeof sd_step": ctypes.sizeof(_Step), "LANES": LANES, "QBLOCK": QBLOCK,
+            "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
+            "LANES": LANES, "QBLOCK": QBLOCK,
             "SD_Q4_1": KINDS["q4"], "SD_Q8_0": KINDS["q8"],
             "q4 block bytes": LANES * (QBLOCK // 2 + 4),          # 16 rows x (16 nibble bytes, d, m)
             "q8 block bytes": LANES * (QBLOCK + 2)}               # 16 rows x (32 int8, d)
@@ -212,6 +224,10 @@ class NativeRuntime(SlotSequences):
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._logits, self._hidden, self._packed, self._packed_logits = Grow(), Grow(), Grow(), Grow()
         self._lock = threading.Lock()      # one forward at a time; state is not thread safe
+        self._workspace = _Workspace(None, 0)
+        # freed by close(), or when the runtime is collected unclosed (never while a forward runs:
+        # that holds the runtime); the finalizer holds the library, not the runtime
+        self._free_workspace = weakref.finalize(self, self.lib.sd_workspace_free, ctypes.byref(self._workspace))
 
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput:
@@ -259,7 +275,8 @@ class NativeRuntime(SlotSequences):
                                                      "slots", "logit_rows", "feature_layers", "features")),
                          _ptr(packed), _ptr(packed_logits))
             if n:
-                rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step))
+                rc = self.lib.sd_forward(ctypes.byref(self.model.struct), ctypes.byref(self._cache), ctypes.byref(step),
+                                         ctypes.byref(self._workspace))
                 if rc in _REFUSED:
                     raise IndexError(f"native forward refused: {_REFUSED[rc]} out of range (B={b}, T={t}, "
                                      f"{self.capacity} slots x {self.columns} columns)")
@@ -297,10 +314,11 @@ class NativeRuntime(SlotSequences):
             self.slots.truncate(seq_id, length)
 
     def close(self) -> None:
-        """Frees the KV cache; under the lock, so a forward still running on another thread (a
-        server stopping mid-step) finishes before the memory its struct points at goes away
-        (AddressSanitizer found the use-after-free, perf-notes §14)."""
+        """Frees the KV cache and the workspace; under the lock, so a forward still running on
+        another thread (a server stopping mid-step) finishes before the memory its struct points
+        at goes away (AddressSanitizer found the use-after-free, perf-notes §14)."""
         with self._lock:
             self.slots.clear()
             self._cache.cache = None
             self.cache = None
+            self._free_workspace()

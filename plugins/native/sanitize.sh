@@ -3,8 +3,10 @@
 #
 #   bash plugins/native/sanitize.sh [pytest args...]     # default: the native suites below
 #
-# Builds decode.c with the install's flags plus -fsanitize=address,undefined (at -O1, frame
-# pointers kept) into work/sanitize/, loads it instead of plugins/_native*.so
+# Builds the kernel (plugins/native/*.c) with the install's flags plus -fsanitize=address,undefined
+# (at -O1, frame pointers kept) and SD_POISON_WORKSPACE (every forward first fills its reused
+# workspace with 0xff bytes, so a read of scratch left by an earlier forward shows as NaN and fails
+# the bitwise tests) into work/sanitize/, loads it instead of plugins/_native*.so
 # (SPECDEC_NATIVE_LIB, backend/runtime/native.py) in a Python that has libasan/libubsan preloaded
 # (the interpreter itself is not instrumented), and runs the suites that drive the kernel: ragged
 # rows, trees, every drafter, seeded sampling, cancelled and stopped rows, slot reuse, the ctypes
@@ -21,8 +23,8 @@ if [[ $(uname -m) == x86_64 ]]; then
     ARCH=(-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 fi
 gcc -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1 \
-    -fopenmp -ffp-contract=off -std=c11 "${ARCH[@]}" -shared -fPIC \
-    plugins/native/decode.c -o "$OUT/_native_sanitized.so"
+    -fopenmp -ffp-contract=off -std=c11 "${ARCH[@]}" -DSD_POISON_WORKSPACE -shared -fPIC \
+    plugins/native/*.c -o "$OUT/_native_sanitized.so"
 
 export SPECDEC_NATIVE_LIB=$PWD/$OUT/_native_sanitized.so
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"

@@ -1,0 +1,365 @@
+/* The native CPU decode step: one Llama-family forward over a batch of token trees, straight
+ * from GGUF-style 4-bit / 8-bit blocks (built by backend/build/native_engine.py, driven through
+ * ctypes by backend/runtime/native.py), composed from the kernels in kernels.h. This file is the
+ * model: its structs (mirrored in runtime/native.py, checked at load by sd_abi), the checks of
+ * every index a step follows, the KV cache layout, the layer, and the exported entry points.
+ *
+ * Why it exists (docs/perf-notes.md section 12): ONNX Runtime runs our 4-bit graph as ~1400
+ * separate kernels, reads ~15% more bytes per token than llama.cpp (fp32 scales, a separate
+ * Q4_1 offset pass), and had to cast the whole V cache to float64 each step to keep sums
+ * independent of where padding and rejected columns sit. Here each matrix is read once per step
+ * in its GGUF block encoding, and every output value is computed by one thread in one fixed
+ * order (kernels.h), so batch invariance holds by construction, in float32.
+ *
+ * Attention reads each node's committed columns [0, ctx) and then its path of scratch nodes
+ * (kv_slots.py), in that order; a plain step and a verify see the same keys in the same order.
+ *
+ * Memory: the caller owns an sd_workspace (one per runtime). A forward carves its buffers from
+ * it and grows it only when it holds less than the forward needs, so steady decoding allocates
+ * nothing (ggml plans one work buffer per graph: ggml_graph_plan's work_size). Before, each
+ * forward allocated and freed up to 14 buffers, fresh zero pages at prefill sizes.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;   /* [H] */
+    const float *qkv_bias;               /* [(Hq + 2 Hkv) D] or NULL */
+    const float *hidden_norm;            /* [H] an EAGLE-3 head's feature norm, else NULL */
+    sd_matrix qkv, o, gate_up, down;
+} sd_layer;
+
+typedef struct {
+    int32_t hidden, inter, num_layers, num_heads, num_kv_heads, head_dim, vocab, max_pos;
+    float eps, scale;
+    const float *rope_cos, *rope_sin;    /* [max_pos, D/2] */
+    const float *norm;                   /* [H] */
+    sd_matrix embed, lm_head;            /* embed: gathered one row per token */
+    const sd_layer *layers;
+    sd_matrix fc;                        /* EAGLE head: x = fc([embed(token), feature]) + fc_bias; */
+    const float *fc_bias;                /* fc.data NULL for a plain decoder */
+} sd_model;
+
+typedef struct {
+    uint16_t *cache;         /* [layers, 2, slots, Hkv, L, D] f16: llama.cpp's default KV type, half the bytes */
+    int64_t slots, cols;     /* slots (incl. the spare), L */
+} sd_cache;
+
+typedef struct {
+    int32_t batch, rows, path_len, num_logits, threads, num_features;
+    const int32_t *row_start;                  /* [B + 1] the nodes of row b are row_start[b] .. row_start[b+1]
+                                                  (rows are ragged: no padding nodes are computed) */
+    const int64_t *ids, *pos, *wslot, *wcol;   /* [N] per node */
+    const int32_t *paths;                      /* [N, P] scratch node ids, -1 padded */
+    const int32_t *ctx, *slots;                /* [B] */
+    const int64_t *logit_rows;                 /* [L] nodes that get logits */
+    const int32_t *feature_layers;             /* [F] EAGLE-3: these layers' inputs follow in `hidden` */
+    const float *features;                     /* [N, H] the target's features (EAGLE head), or NULL */
+    float *hidden;                             /* [N, H (1 + F)] out: final-norm features, then each
+                                                  feature layer's input; an EAGLE-3 head: [N, H]
+                                                  its pre-norm output (its next level's feature) */
+    float *logits;                             /* [L, V] out */
+} sd_step;
+
+typedef struct {             /* the caller's scratch memory for sd_forward; {NULL, 0} at first */
+    void *data;              /* [capacity] bytes, SD_ALIGN-aligned; sd_forward grows it, sd_workspace_free frees it */
+    int64_t capacity;
+} sd_workspace;
+
+#define SD_ALIGN 64          /* every carved buffer starts on a cache line */
+
+static inline uint16_t *kv_at(const sd_cache *c, const sd_model *m, int layer, int kind, int64_t slot,
+                              int h, int64_t col) {
+    int64_t d = m->head_dim, hkv = m->num_kv_heads;
+    return c->cache + ((((int64_t)layer * 2 + kind) * c->slots + slot) * hkv + h) * c->cols * d + col * d;
+}
+
+/* an EAGLE-3 head: the feature is the residual stream, the attention reads
+ * [norm(embedding), norm(feature)] (2h wide) */
+static inline int is_eagle3(const sd_model *m) { return m->num_layers > 0 && m->layers[0].hidden_norm != NULL; }
+
+/* Every index sd_forward follows, checked before it writes anything (issue 31): 0, or which
+ * field is out of range (runtime/native.py names it in an IndexError). A few ns a node. */
+enum { SD_BAD_CACHE = -9, SD_BAD_ROWS = -10, SD_BAD_SLOT = -11, SD_BAD_CTX = -12, SD_BAD_ID = -13,
+       SD_BAD_POS = -14, SD_BAD_WSLOT = -15, SD_BAD_WCOL = -16, SD_BAD_PATH = -17,
+       SD_BAD_LOGIT_ROW = -18, SD_BAD_FEATURE_LAYER = -19 };
+
+static int check_step(const sd_model *m, const sd_cache *c, const sd_step *s) {
+    if (!c->cache || c->slots < 1 || c->cols < 1) return SD_BAD_CACHE;
+    if (s->batch < 0 || s->rows < 0 || s->path_len < 1 || s->num_logits < 0 || s->row_start[0] != 0
+        || s->row_start[s->batch] != s->rows) return SD_BAD_ROWS;
+    for (int b = 0; b < s->batch; b++) {
+        if (s->row_start[b + 1] < s->row_start[b]) return SD_BAD_ROWS;
+        if (s->slots[b] < 0 || s->slots[b] >= c->slots - 1) return SD_BAD_SLOT;   /* the last: spare */
+        if (s->ctx[b] < 0 || s->ctx[b] > c->cols) return SD_BAD_CTX;
+        for (int r = s->row_start[b]; r < s->row_start[b + 1]; r++) {
+            if (s->ids[r] < 0 || s->ids[r] >= m->embed.rows) return SD_BAD_ID;
+            if (s->pos[r] < 0 || s->pos[r] >= m->max_pos) return SD_BAD_POS;
+            if (s->wslot[r] < 0 || s->wslot[r] >= c->slots) return SD_BAD_WSLOT;
+            if (s->wcol[r] < 0 || s->wcol[r] >= c->cols) return SD_BAD_WCOL;
+            for (int k = 0; k < s->path_len; k++) {
+                int32_t p = s->paths[(size_t)r * s->path_len + k];
+                if (p < -1 || (p >= 0 && (int64_t)s->ctx[b] + p >= c->cols)) return SD_BAD_PATH;
+            }
+        }
+    }
+    for (int l = 0; l < s->num_logits; l++)
+        if (s->logit_rows[l] < 0 || s->logit_rows[l] >= s->rows) return SD_BAD_LOGIT_ROW;
+    for (int f = 0; f < s->num_features; f++)
+        if (s->feature_layers[f] < 0 || s->feature_layers[f] >= m->num_layers) return SD_BAD_FEATURE_LAYER;
+    return 0;
+}
+
+/* ---- the workspace ------------------------------------------------------------------------ */
+
+typedef struct {             /* one forward's buffers, carved from the workspace (N nodes, L logit rows) */
+    float *x;                /* [N, H] the residual stream */
+    float *hn;               /* [max(N, L), H] normed rows; then the logit rows' features */
+    float *qkv;              /* [N, (Hq + 2 Hkv) D] */
+    float *att;              /* [N, Hq D] */
+    float *gu;               /* [N, 2 I] gate | up */
+    float *act;              /* [N, I] */
+    float *cat;              /* [N, 2H] an EAGLE head's fc input, an EAGLE-3 head's attention input; else NULL */
+    float *emb;              /* [N, H] an EAGLE-3 head's token embeddings, else NULL */
+    float *fin;              /* [N, H] final-norm rows: s->hidden itself when that is all it holds */
+    float *work;             /* [threads, work_len] attention scratch, a slice per thread */
+    size_t work_len;
+    uint16_t *zero_col;      /* [MAX_HEAD_DIM] f16 zeros: attention's padding columns */
+    act_q a;                 /* [max(N, L), Kmax] int8 activations; k set per stage */
+} buffers;
+
+static size_t round_up(size_t n) { return (n + SD_ALIGN - 1) / SD_ALIGN * SD_ALIGN; }
+
+/* n bytes (at least one line) on a line boundary; C11's aligned_alloc takes whole lines */
+static void *alloc_lines(size_t n) { return aligned_alloc(SD_ALIGN, n < SD_ALIGN ? SD_ALIGN : round_up(n)); }
+
+static void *take(uint8_t *base, size_t *used, size_t bytes) {
+    void *p = base ? base + *used : NULL;
+    *used += round_up(bytes);
+    return p;
+}
+
+/* Lays this step's buffers out from `base` (NULL: only measures); the bytes they take. */
+static size_t carve(const sd_model *m, const sd_step *s, uint8_t *base, buffers *b) {
+    const size_t rows = (size_t)s->rows, h = (size_t)m->hidden, inter = (size_t)m->inter;
+    const size_t hqd = (size_t)m->num_heads * m->head_dim, nqkv = (size_t)(m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const size_t arows = rows > (size_t)s->num_logits ? rows : (size_t)s->num_logits;
+    size_t kmax = 2 * h > hqd ? 2 * h : hqd;      /* 2h: an EAGLE head's fc input */
+    kmax = inter > kmax ? inter : kmax;
+    const int eagle3 = is_eagle3(m), threads = s->threads > 0 ? s->threads : 1;
+    int max_tokens = 0, max_ctx = 0;
+    for (int i = 0; i < s->batch; i++) {
+        int n = s->row_start[i + 1] - s->row_start[i];
+        max_tokens = n > max_tokens ? n : max_tokens;
+        max_ctx = s->ctx[i] > max_ctx ? s->ctx[i] : max_ctx;
+    }
+    size_t used = 0;
+    b->x = take(base, &used, sizeof(float) * rows * h);
+    b->hn = take(base, &used, sizeof(float) * arows * h);
+    b->qkv = take(base, &used, sizeof(float) * rows * nqkv);
+    b->att = take(base, &used, sizeof(float) * rows * hqd);
+    b->gu = take(base, &used, sizeof(float) * rows * 2 * inter);
+    b->act = take(base, &used, sizeof(float) * rows * inter);
+    b->cat = m->fc.data || eagle3 ? take(base, &used, sizeof(float) * rows * 2 * h) : NULL;
+    b->emb = eagle3 ? take(base, &used, sizeof(float) * rows * h) : NULL;
+    b->fin = eagle3 || s->num_features ? take(base, &used, sizeof(float) * rows * h) : s->hidden;
+    b->work_len = attend_work_floats(max_tokens, max_ctx, s->path_len);
+    b->work = take(base, &used, sizeof(float) * b->work_len * threads);
+    b->zero_col = take(base, &used, sizeof(uint16_t) * MAX_HEAD_DIM);
+    b->a = (act_q){take(base, &used, arows * kmax), take(base, &used, sizeof(float) * arows * kmax / QBLOCK),
+                   take(base, &used, sizeof(int32_t) * arows * kmax / QBLOCK), (int)h};
+    return used;
+}
+
+/* At least `bytes` in the workspace: grown only when it holds less, with half again as much
+ * headroom (a context growing a column per step does not regrow it every few steps); never
+ * shrunk. Fails (-1, the workspace left empty) only when the memory is not there. */
+static int reserve(sd_workspace *ws, size_t bytes) {
+    if (!ws) return -1;
+    if (ws->data && (size_t)ws->capacity >= bytes) return 0;
+    size_t cap = round_up(bytes + bytes / 2);
+    free(ws->data);
+    ws->data = alloc_lines(cap);
+    ws->capacity = ws->data ? (int64_t)cap : 0;
+    return ws->data ? 0 : -1;
+}
+
+void sd_workspace_free(sd_workspace *ws) {
+    free(ws->data);
+    ws->data = NULL;
+    ws->capacity = 0;
+}
+
+/* ---- the forward (each function runs on every thread of the forward's parallel region) ----- */
+
+/* x = the tokens' embeddings (an EAGLE-3 head: emb, and x = its features); an EAGLE head: x =
+ * fc([embedding, feature]) + fc_bias */
+static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *my) {
+    const int rows = s->rows, h = m->hidden, eagle3 = is_eagle3(m);
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) dequant_row(&m->embed, (int)s->ids[r], (eagle3 ? b->emb : b->x) + (size_t)r * h);
+    if (eagle3) {
+        copy_rows(s->features, h, b->x, h, rows, h);
+    } else if (m->fc.data) {
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            memcpy(b->cat + (size_t)r * 2 * h, b->x + (size_t)r * h, sizeof(float) * h);
+            memcpy(b->cat + (size_t)r * 2 * h + h, s->features + (size_t)r * h, sizeof(float) * h);
+        }
+        my->k = 2 * h;
+        quantize_rows(b->cat, rows, 2 * h, my);
+        matmul(&m->fc, my, rows, b->x, h, h, 0, m->fc_bias);
+    }
+}
+
+/* att = attention of every node, after rotary on qkv and the new K, V written to their columns */
+static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const buffers *b, float *work, int l) {
+    const int d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, nqkv = (hq + 2 * hkv) * d;
+#pragma omp for schedule(static)
+    for (int r = 0; r < s->rows; r++) {
+        float *qr = b->qkv + (size_t)r * nqkv;
+        int64_t p = s->pos[r];
+        rope(qr, hq + hkv, d, m->rope_cos + p * (d / 2), m->rope_sin + p * (d / 2));
+        for (int kh = 0; kh < hkv; kh++) {
+            store_f16(kv_at(c, m, l, 0, s->wslot[r], kh, s->wcol[r]), qr + (hq + kh) * d, d);
+            store_f16(kv_at(c, m, l, 1, s->wslot[r], kh, s->wcol[r]), qr + (hq + hkv + kh) * d, d);
+        }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < s->batch * hq; task++) {   /* one query head of one row's nodes */
+        int row = task / hq, qh = task % hq, kh = qh / (hq / hkv);
+        size_t r0 = (size_t)s->row_start[row];
+        int n = s->row_start[row + 1] - s->row_start[row];
+        if (n > 0)
+            attend_row(kv_at(c, m, l, 0, s->slots[row], kh, 0), kv_at(c, m, l, 1, s->slots[row], kh, 0), d,
+                       m->scale, s->ctx[row], s->paths + r0 * s->path_len, s->path_len, n,
+                       b->qkv + r0 * nqkv + qh * d, nqkv, b->att + r0 * hq * d + qh * d, hq * d, work, b->zero_col);
+    }
+}
+
+/* decoder layer l over every node, the residual stream x in place */
+static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffers *b, act_q *my, float *work, int l) {
+    const sd_layer *L = &m->layers[l];
+    const int rows = s->rows, h = m->hidden, hqd = m->num_heads * m->head_dim, inter = m->inter;
+    const int nqkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim, hw = h * (1 + s->num_features);
+    for (int f = 0; f < s->num_features; f++)
+        if (s->feature_layers[f] == l) copy_rows(b->x, h, s->hidden + (size_t)(1 + f) * h, hw, rows, h);
+    if (L->hidden_norm) {
+        rmsnorm_rows(b->emb, rows, h, L->attn_norm, m->eps, b->cat, 2 * h);
+        rmsnorm_rows(b->x, rows, h, L->hidden_norm, m->eps, b->cat + h, 2 * h);
+        my->k = 2 * h;
+        quantize_rows(b->cat, rows, 2 * h, my);
+    } else {
+        rmsnorm_rows(b->x, rows, h, L->attn_norm, m->eps, b->hn, h);
+        my->k = h;
+        quantize_rows(b->hn, rows, h, my);
+    }
+    matmul(&L->qkv, my, rows, b->qkv, nqkv, nqkv, 0, L->qkv_bias);
+    attention(m, c, s, b, work, l);
+    my->k = hqd;
+    quantize_rows(b->att, rows, hqd, my);
+    matmul(&L->o, my, rows, b->x, h, h, 1, NULL);
+    rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
+    my->k = h;
+    quantize_rows(b->hn, rows, h, my);
+    matmul(&L->gate_up, my, rows, b->gu, 2 * inter, 2 * inter, 0, NULL);
+    swiglu_rows(b->gu, rows, inter, b->act);
+    my->k = inter;
+    quantize_rows(b->act, rows, inter, my);
+    matmul(&L->down, my, rows, b->x, h, h, 1, NULL);
+}
+
+/* the final norm, the features out, the logits of the nodes that get them */
+static void head(const sd_model *m, const sd_step *s, const buffers *b, act_q *my) {
+    const int rows = s->rows, h = m->hidden, hw = h * (1 + s->num_features);
+    rmsnorm_rows(b->x, rows, h, m->norm, m->eps, b->fin, h);
+    if (is_eagle3(m)) copy_rows(b->x, h, s->hidden, h, rows, h);
+    else if (s->num_features) copy_rows(b->fin, h, s->hidden, hw, rows, h);
+#pragma omp for schedule(static)
+    for (int i = 0; i < s->num_logits; i++)
+        memcpy(b->hn + (size_t)i * h, b->fin + (size_t)s->logit_rows[i] * h, sizeof(float) * h);
+    my->k = h;
+    quantize_rows(b->hn, s->num_logits, h, my);
+    matmul(&m->lm_head, my, s->num_logits, s->logits, m->vocab, m->vocab, 0, NULL);
+}
+
+/* 0; a refusal (SD_BAD_*, nothing written); or -1: shapes the kernels do not take, a missing
+ * input or output, or no memory for the workspace */
+int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *ws) {
+    const int bad = check_step(m, c, s);
+    if (bad) return bad;
+    const int h = m->hidden, d = m->head_dim;
+    if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || m->inter % QBLOCK || (m->num_heads * d) % QBLOCK) return -1;
+    if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden) return -1;
+    buffers b;
+    if (reserve(ws, carve(m, s, NULL, &b))) return -1;
+    carve(m, s, ws->data, &b);
+#ifdef SD_POISON_WORKSPACE
+    memset(ws->data, 0xff, (size_t)ws->capacity);   /* sanitize.sh: a read of stale scratch shows as NaN */
+#endif
+    memset(b.zero_col, 0, sizeof(uint16_t) * MAX_HEAD_DIM);
+#pragma omp parallel num_threads(s->threads > 0 ? s->threads : 1)
+    {
+        act_q my = b.a;                      /* this thread's view: the row width changes per stage */
+#ifdef _OPENMP
+        float *work = b.work + b.work_len * omp_get_thread_num();
+#else
+        float *work = b.work;
+#endif
+        embed(m, s, &b, &my);
+        for (int l = 0; l < m->num_layers; l++) layer(m, c, s, &b, &my, work, l);
+        head(m, s, &b, &my);
+    }
+    return 0;
+}
+
+/* The binary interface runtime/native.py mirrors with ctypes (the structs above, the block
+ * layout build/native_engine.py writes, the weight kinds), checked by Python when it loads the
+ * library: a stale or foreign build is refused with a clear message instead of misreading
+ * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
+ * changing a size (2: sd_forward takes the caller's sd_workspace). */
+#define SD_ABI_VERSION 2
+int sd_abi(int64_t *out, int n) {
+    const int64_t v[] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
+                         sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace), LANES, QBLOCK,
+                         SD_Q4_1, SD_Q8_0, (int64_t)block_bytes(SD_Q4_1), (int64_t)block_bytes(SD_Q8_0)};
+    const int count = (int)(sizeof v / sizeof v[0]);
+    for (int i = 0; i < n && i < count; i++) out[i] = v[i];
+    return count;
+}
+
+/* which instruction set this build uses, for the manifest and the build summary */
+const char *sd_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+    return "avx-vnni";
+#else
+    return "avx2";
+#endif
+}
+
+/* y[rows, W.rows] = x W^T for float rows x [rows, W.cols]: the kernel alone, for its tests and
+ * host-side products between steps (runtime/native.py BlockedMatrix). Its own small buffers:
+ * callers on any thread share no state. */
+int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int threads) {
+    int nb = w->cols / QBLOCK;
+    act_q a = {alloc_lines((size_t)rows * w->cols), alloc_lines(sizeof(float) * (size_t)rows * nb),
+               alloc_lines(sizeof(int32_t) * (size_t)rows * nb), w->cols};
+    int ok = a.q && a.d && a.sum && w->cols % QBLOCK == 0 && w->rows % LANES == 0;
+    if (ok) {
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+        {
+            quantize_rows(x, rows, w->cols, &a);
+            matmul(w, &a, rows, y, w->rows, w->rows, 0, NULL);
+        }
+    }
+    free(a.q); free(a.d); free(a.sum);
+    return ok ? 0 : -1;
+}
