@@ -90,3 +90,14 @@ def test_every_device_is_one_backend_in_the_registry():
     for b in BACKENDS:
         assert all(backend_for(b.device, f) is b for f in b.formats) and set(b.defaults) <= set(b.formats)
     assert set(formats(Device.CPU)) == {"gguf", "fp32", "q4"}
+
+
+def test_a_backend_missing_part_of_the_contract_cannot_be_made():
+    import pytest
+
+    from backend.devices import EngineBackend
+
+    class Half(EngineBackend):                 # exports and loads nothing
+        pass
+    with pytest.raises(TypeError, match="export_targets.*load|load.*export_targets"):
+        Half()

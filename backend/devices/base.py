@@ -13,6 +13,7 @@ registry line.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,8 +50,9 @@ class EngineRef:
     feature_layers: tuple[int, ...] = ()    # EAGLE-3 layers the forward outputs (target only)
 
 
-class EngineBackend:
-    """The contract; every method a device does not need keeps the default here."""
+class EngineBackend(ABC):
+    """The contract. The abstract methods are what every device must do (a backend missing one
+    cannot be instantiated, so the registry fails at import); the others have the CPU's answer."""
 
     name: str = ""
     device: Device
@@ -66,24 +68,24 @@ class EngineBackend:
         """The accelerator the build records in the manifest (`gpu`), None on a CPU."""
         return None
 
+    @abstractmethod
     def export_targets(self, ctx: BuildContext, formats: tuple[WeightFormat, ...]
                        ) -> tuple[dict[str, EngineFile], dict[str, float]]:
         """The target in each of `formats` -> ({format: EngineFile}, {format: seconds})."""
-        raise NotImplementedError
 
     # Drafts, each beside the serving engine -> (manifest name, DraftEntry); the drafter kinds
     # (backend/draft_kinds) parse `--draft` and call these.
+    @abstractmethod
     def export_layers(self, ctx: BuildContext, n: int, serving: EngineFile) -> tuple[str, DraftEntry]:
         """The target's first `n` layers and head (a self-draft)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export_model(self, ctx: BuildContext, path: str, serving: EngineFile) -> tuple[str, DraftEntry]:
         """A separate draft model (a checkpoint with the target's vocabulary)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export_head(self, ctx: BuildContext, head: Path, serving: EngineFile) -> tuple[str, DraftEntry]:
         """An EAGLE head (any layout build/heads/formats.py reads) as a 1-layer engine."""
-        raise NotImplementedError
 
     def finish(self, ctx: BuildContext, engines: dict[str, EngineFile], drafts: dict[str, DraftEntry]) -> None:
         """After every export: device compilation of the written files (TensorRT plans)."""
@@ -97,9 +99,9 @@ class EngineBackend:
         manifest's engines; else the torch device name they run on ("cpu" off CUDA)."""
         return "cpu"
 
+    @abstractmethod
     def load(self, manifest: EngineManifest, ref: EngineRef, options: RuntimeOptions):
         """A runtime.Runtime over one engine file."""
-        raise NotImplementedError
 
 
 def rebuild_command(manifest: EngineManifest) -> str:

@@ -35,8 +35,9 @@ class DraftKind:
 
     def export(self, ctx, spec: str, backend, serving: EngineFile) -> tuple[str, DraftEntry]:
         """Write the draft for the serving engine's backend (devices.EngineBackend) ->
-        (manifest name, DraftEntry)."""
-        raise NotImplementedError
+        (manifest name, DraftEntry). A kind without a spec form (prompt lookup) is never asked:
+        `kind_for` only returns kinds whose prefix a spec has, or the fallback."""
+        raise ValueError(f"the {self.name} drafter needs no build: it has no --draft form")
 
     def time(self, manifest: EngineManifest, context: int, reps: int) -> dict[str, tuple[float, float | None]]:
         """{cost key: (seconds per draft forward, seconds per catch-up token or None)} of the
