@@ -28,7 +28,7 @@ def kind_for(spec: str) -> DraftKind:
         if k.accepts(spec):
             return k
     for k in KINDS:
-        if getattr(k, "fallback", False):
+        if k.fallback:
             return k
     raise ValueError(f"--draft {spec!r}: not a draft this build knows ({spec_forms()})")
 

@@ -24,6 +24,7 @@ class DraftKind:
     spec_form: str | None = None              # `--draft` form for --help ("eagle:DIR"); None: no build
     prefix: str | None = None                 # the spec's prefix ("eagle:"); None: not prefix-matched
     entry_kinds: tuple[str, ...] = ()         # DraftEntry.kind values it writes and reads
+    fallback: bool = False                    # takes a spec no other kind's prefix matches (a path)
 
     def accepts(self, spec: str) -> bool:
         """Whether a `--draft` spec is this kind's (by its prefix)."""
