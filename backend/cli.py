@@ -279,12 +279,15 @@ def main(argv=None) -> int:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | draft-model | eagle")
     p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as is (no chat template): plain text to continue; needed for a base model, which has no chat template")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts")
     p.add_argument("--model-repository", default=DEFAULT_REPO)
-    p.add_argument("--prompts", default=default_prompts())
+    p.add_argument("--prompts", default=default_prompts(),
+                   help="JSON lines of chat messages (default: the public set); a model without a "
+                        "chat template (a base model) gets each prompt's text as a plain continuation")
     p.add_argument("--drafter", default="prompt-lookup",
                    help="none | prompt-lookup | draft-model[:NAME] | eagle")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -15,3 +15,8 @@ class ManifestMissing(UserError, FileNotFoundError):
 
 class ManifestMismatch(UserError, ValueError):
     """A manifest this version cannot read (built by another version)."""
+
+
+class NoChatTemplate(UserError, ValueError):
+    """Chat messages for a model without a chat template (a base model), which continues plain
+    text: the caller must send the prompt as is."""

@@ -78,6 +78,22 @@ class KVLayout:
         self._next = nxt
         return bias, positions
 
+    def window_bias(self, bias: np.ndarray, positions: np.ndarray, window: int) -> np.ndarray:
+        """The sliding layers' attn_bias for the inputs forward_inputs just built: `bias`, and keys
+        at positions <= the query's - window masked too (the window counted along each node's own
+        path: its committed columns are positions 0.., its path prefix length + depth)."""
+        local = bias.copy()
+        b, t = positions.shape
+        L = self.num_cols
+        for r in range(b):
+            kpos = np.full(L + t, np.iinfo(np.int64).min // 2, np.int64)     # garbage: masked anyway
+            valid = self.valid[r]
+            kpos[:L][valid] = np.arange(int(valid.sum()))
+            kpos[self.scratch_cols[r]] = self.lengths[r] + self.scratch_depth[r]
+            kpos[L:] = positions[r]
+            local[r][positions[r][:, None] - kpos[None, :] >= window] = MASK_VALUE
+        return local
+
     def append(self, t: int) -> None:
         """The forward whose inputs were built last wrote t new columns to every row."""
         assert self._next is not None and len(self._next) == self.num_rows

@@ -16,7 +16,7 @@ from pathlib import Path
 from backend.errors import ManifestMismatch, ManifestMissing
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 2          # 2: cuda engines, gpu; generator sends text (rebuild older repositories)
+MANIFEST_VERSION = 3          # 3: the model description (ModelConfig fields), native kinds, plugin windows; 2: cuda engines, gpu
 
 
 class WeightFormat(str, enum.Enum):
@@ -37,7 +37,13 @@ class Device(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture numbers of a Llama-family decoder (Llama, SmolLM, Mistral, Qwen2)."""
+    """The model description: one decoder architecture as data, read by every implementation (the
+    ONNX graph, the torch model, the native kernel's flags, the head trainer). The Llama layer is
+    the default; what another family changes is a field here, implemented once per engine where
+    that engine needs it (docs/architecture.md, "Where a change goes": a new architecture).
+
+    Norms are stored plain (y = x / rms(x) * w): a checkpoint that keeps Gemma's (1 + w) is
+    converted when it is read (build/checkpoint.py), as llama.cpp's converter does."""
 
     architecture: str
     vocab_size: int
@@ -55,25 +61,69 @@ class ModelConfig:
     rope_scaling: dict | None = None      # HF rope_scaling dict ("linear" or "llama3"), or None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    activation: str = "silu"              # the gated MLP's: "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
+    qk_norm: bool = False                 # q and k RMS-normed per head before rotary (Gemma-3, Qwen3)
+    post_norms: bool = False              # norms on the attention and MLP outputs too (Gemma 2/3)
+    sliding_window: int = 0               # keys at positions > pos - window, on the layers below
+    layer_types: tuple[str, ...] = ()     # per layer "full" | "sliding"; () with a window: all sliding
+    rope_local_theta: float | None = None  # rope base of the sliding layers (Gemma-3: 10k), no scaling
+    embed_scale: float = 1.0              # the input embedding's multiplier (Gemma: sqrt(hidden))
+    attn_scale: float | None = None       # q's multiplier; None: 1/sqrt(head_dim)
+    final_logit_softcap: float = 0.0      # logits = cap tanh(logits / cap) (Gemma-2); 0: none
+    attn_logit_softcap: float = 0.0       # the same on attention scores (Gemma-2); 0: none
+
+    ACTIVATIONS = ("silu", "gelu_tanh")
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
         assert self.head_dim % 2 == 0, self.head_dim
+        assert self.activation in self.ACTIVATIONS, self.activation
+        assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
+        assert set(self.layer_types) <= {"full", "sliding"}, self.layer_types
 
     @property
     def num_groups(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def scale(self) -> float:
+        """Attention's multiplier of q."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / float(self.head_dim) ** 0.5
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window; 0: it attends to every earlier position."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding" else 0
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` uses the sliding layers' own rope base (rope_local_theta)."""
+        return self.rope_local_theta is not None and self.window(layer) > 0
+
+    def features(self) -> list[str]:
+        """What this model uses beyond the Llama layer (each engine backend declares which of
+        these it implements: devices/base.py EngineBackend.model_features)."""
+        used = {"gelu_tanh": self.activation == "gelu_tanh", "qk_norm": self.qk_norm,
+                "post_norms": self.post_norms, "sliding_window": bool(self.sliding_window),
+                "local_rope": self.rope_local_theta is not None, "embed_scale": self.embed_scale != 1.0,
+                "attn_scale": self.attn_scale is not None, "final_logit_softcap": bool(self.final_logit_softcap),
+                "attn_logit_softcap": bool(self.attn_logit_softcap)}
+        return [k for k, v in used.items() if v]
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelConfig":
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
 

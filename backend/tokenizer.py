@@ -1,7 +1,8 @@
 """Tokenizer, chat template and incremental detokenization.
 
-Knows: Hugging Face `tokenizers` JSON, how to rebuild one from GGUF metadata (byte-level BPE),
-Jinja chat templates as transformers renders them. Does not know: models or requests.
+Knows: Hugging Face `tokenizers` JSON, how to rebuild one from GGUF metadata (byte-level BPE
+and SentencePiece BPE), Jinja chat templates as transformers renders them. Does not know: models
+or requests.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.errors import NoChatTemplate
 from backend.manifest import EngineManifest
 
 # Pre-tokenizer split patterns of llama.cpp's known BPE "pre" types (llama-vocab.cpp).
@@ -16,17 +18,22 @@ _PRE_REGEX = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
 def tokenizer_json_from_gguf(vocab: dict) -> str:
-    """Rebuild a `tokenizers` JSON from GGUF metadata (tokenizer.ggml.*)."""
+    """Rebuild a `tokenizers` JSON from GGUF metadata (tokenizer.ggml.*): byte-level BPE ("gpt2")
+    or SentencePiece BPE ("llama")."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if vocab["model"] == "llama":
+        return _sentencepiece_json(vocab)
     if vocab["model"] != "gpt2":
         raise ValueError(f"GGUF tokenizer model {vocab['model']!r} is not supported (only byte-level "
-                         "BPE 'gpt2'); build from a Hugging Face directory with tokenizer.json")
+                         "BPE 'gpt2' and SentencePiece 'llama'); build from a Hugging Face directory "
+                         "with tokenizer.json")
     pre = vocab.get("pre") or "default"
     tokens, types = vocab["tokens"], vocab["token_types"]
     merges = [tuple(m.split(" ", 1)) for m in vocab["merges"]]
@@ -48,6 +55,67 @@ def tokenizer_json_from_gguf(vocab: dict) -> str:
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                            for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL])
+    tk.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                   for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED])
+    return tk.to_str()
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary, which stores none: (a, b) is a merge
+    wherever a, b and a+b are all tokens, ranked by the score of a+b, higher first (SentencePiece
+    and llama.cpp merge the adjacent pair whose result scores highest). Ties as transformers'
+    `generate_merges` (the GGUF converter's) breaks them: the longer left piece first, then the
+    longer right piece, then the merged token's vocabulary order, then (left id, right id)."""
+    ids = {t: i for i, t in enumerate(tokens)}      # a repeated token: its last id, as HF's
+    get = ids.get
+    found = []          # (-score, -len(left), -len(right), merged token's order, left id, right id)
+    for order, (merged, mid) in enumerate(ids.items()):
+        n = len(merged)
+        if n < 2:
+            continue
+        score = -scores[mid]
+        for k in range(1, n):
+            a = get(merged[:k])
+            if a is None:
+                continue
+            b = get(merged[k:])
+            if b is not None:
+                found.append((score, -k, k - n, order, a, b))
+    found.sort()
+    return [(tokens[a], tokens[b]) for _, _, _, _, a, b in found]
+
+
+def _sentencepiece_json(vocab: dict) -> str:
+    """SentencePiece BPE with byte fallback, as llama.cpp's SPM tokenizer runs it: spaces become
+    "▁" (plus one in front where the file sets add_space_prefix), no pre-tokenizer (merges may
+    cross words), characters outside the vocabulary fall back to <0xNN> byte tokens; control and
+    unknown tokens (types 3, 2) are special added tokens and user-defined ones (4, e.g. Gemma's
+    runs of spaces, newlines and tabs and its HTML tags) plain added tokens, all matched whole in
+    the raw text before the rest is tokenized, as llama.cpp does (with special tokens parsed)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens, types, scores = vocab["tokens"], vocab["token_types"], vocab.get("scores") or []
+    if len(scores) != len(tokens):
+        raise ValueError(f"GGUF SentencePiece tokenizer: {len(scores)} scores for {len(tokens)} "
+                         "tokens (tokenizer.ggml.scores gives the merge order; it is required)")
+    unk_id = vocab.get("unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    merges = ([tuple(m.split(" ", 1)) for m in vocab["merges"]] if vocab.get("merges")
+              else sentencepiece_merges(tokens, scores))
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                              unk_token=unk, fuse_unk=True, byte_fallback=True))
+    space = normalizers.Replace(" ", "\u2581")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.get("add_space_prefix", True):
+        # llama.cpp puts the space in front of the text and after each special token; so does a
+        # normalizer, which runs on every stretch of text between added tokens
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space])
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        tk.normalizer = space
+    tk.decoder = decoders.Sequence(steps)
+    tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types)
+                           if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)])
     tk.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                    for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED])
     return tk.to_str()
@@ -102,7 +170,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages as transformers' `apply_chat_template(tokenize=False)` does."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise NoChatTemplate("this model has no chat template (a base model): it continues plain "
+                                 "text; send the prompt as is")
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.config import DrafterKind, RequestError, SamplingParams
+from backend.errors import NoChatTemplate
 from backend.sequence import Request, StepOutput
 
 TEXT_INPUT = "text_input"
@@ -36,6 +37,8 @@ REQUEST_INPUTS = (TEXT_INPUT, INPUT_IDS, "apply_chat_template", "max_tokens", "t
 UNAVAILABLE = "unavailable"         # the message prefix of an overload error (Overloaded)
 RELAY_KEY_PREFIX = "specdec-relay-"  # request ids of the `specdec` relay's BLS requests
 DEFAULT_MAX_TOKENS = 128
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model): send the prompt as plain text "
+                    "to continue, with apply_chat_template=false (`specdec generate --raw`)")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def messages_from_text(text: str) -> list[dict]:
 
 
 def prompt_text(inputs: dict, chat_template_fn) -> str:
+    """The prompt's text; with `apply_chat_template`, rendered by chat_template_fn (the
+    tokenizer's), which raises NoChatTemplate for a model without one: refused, naming the input."""
     v = _one(inputs, TEXT_INPUT)
     if v is None:
         raise RequestError(TEXT_INPUT, "missing (a BYTES tensor with the prompt)")
@@ -111,7 +116,10 @@ def prompt_text(inputs: dict, chat_template_fn) -> str:
     if not text.strip():
         raise RequestError(TEXT_INPUT, "empty prompt")
     if _bool(inputs, "apply_chat_template", False):
-        text = chat_template_fn(messages_from_text(text))
+        try:
+            text = chat_template_fn(messages_from_text(text))
+        except NoChatTemplate:
+            raise RequestError("apply_chat_template", NO_CHAT_TEMPLATE) from None
     return text
 
 

@@ -137,13 +137,13 @@ def render_chat(template: str, messages: list[dict], bos_token: str, eos_token: 
         bos_token=bos_token, eos_token=eos_token)
 
 
-def tokenize(vocab, text: str) -> list[int]:
+def tokenize(vocab, text: str, add_special: bool = False) -> list[int]:
     data = text.encode("utf-8")
     cap = len(data) + 16
     while True:
         arr = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(vocab, data, len(data), arr, cap,
-                                     False,  # add_special: no BOS/EOS added
+                                     add_special,  # chat: no BOS/EOS added (the template writes them)
                                      True)   # parse_special: <|im_start|> -> special id
         if n >= 0:
             return list(arr[:n])
@@ -284,9 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
 
     template = meta_str(model, "tokenizer.chat_template")
-    if not template:
-        print("GGUF has no tokenizer.chat_template", file=sys.stderr)
-        return 2
+    if not template:   # a base model: the messages' text as a plain continuation, with BOS
+        print("GGUF has no tokenizer.chat_template: prompts are plain continuations", file=sys.stderr)
     bos_id = llama_cpp.llama_vocab_bos(vocab)
     eos_id = llama_cpp.llama_vocab_eos(vocab)
     bos_tok = token_text(vocab, bos_id) if bos_id >= 0 else ""
@@ -294,9 +293,14 @@ def main(argv: list[str] | None = None) -> int:
 
     items = []
     for p in prompts:
-        text = render_chat(template, p["messages"], bos_tok, eos_tok)
+        if template:
+            text = render_chat(template, p["messages"], bos_tok, eos_tok)
+            toks = tokenize(vocab, text)
+        else:          # backend/bench/prompt_sets.py plain_text / prompt_ids
+            text = "\n\n".join(m["content"] for m in p["messages"])
+            toks = tokenize(vocab, text, add_special=True)
         items.append({"id": p.get("id"), "kind": p.get("kind"),
-                      "prompt_text": text, "tokens": tokenize(vocab, text)})
+                      "prompt_text": text, "tokens": toks})
 
     n_new = args.max_new_tokens
     max_prompt = max(len(it["tokens"]) for it in items)
@@ -334,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         "n_vocab": n_vocab,
         "bos_token_id": bos_id, "eos_token_id": eos_id,
         "gguf_add_bos_token": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
-        "tokenize": "add_special=False, parse_special=True",
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "tokenize": "add_special=False, parse_special=True" if template else "add_special=True, parse_special=True",
+        "prompt_format": "chat template" if template else "plain continuation (no chat template)",
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
         "n_ctx": int(llama_cpp.llama_n_ctx(ctx)),
         "n_batch": int(llama_cpp.llama_n_batch(ctx)),
         "n_ubatch": int(llama_cpp.llama_n_ubatch(ctx)),

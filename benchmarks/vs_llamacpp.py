@@ -51,7 +51,7 @@ BUILD_MARKER = "specdec-peer-build.json"
 # --------------------------------------------------------------------------------------
 
 
-def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
+def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int, weights: str | None = None) -> dict:
     """Benchmark specdec on the same GGUF and prompts, measuring what peer_llamacpp.py measures:
     the chat template rendered with add_generation_prompt=True (no BOS), greedy decoding of
     exactly `max_new_tokens` new tokens with EOS ignored, a fresh KV cache per prompt, one
@@ -62,18 +62,29 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
     them (the embedded default's drafts, the build's cost model)."""
     sys.path.insert(0, str(HERE.parent))
     from backend.bench.engine_bench import greedy_tokens_per_s
-    from backend.build.embedded import default_drafts
+    from backend.build.embedded import default_drafts, default_gguf
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
-    from backend.manifest import EngineManifest
+    from backend.manifest import EngineManifest, WeightFormat
 
-    repo = HERE / ".ours-repo"
+    # the embedded default with its drafts (self:4 and the trained EAGLE-3 head); another
+    # model with a self-draft of its first quarter (prompt lookup needs no build)
+    embedded = Path(gguf_path).resolve() == Path(default_gguf()).resolve()
+    repo = HERE / ".ours-repo" / Path(gguf_path).stem
     engine_dir = repo / ENGINE_SUBDIR
+    formats = tuple(WeightFormat(w) for w in weights.split(",")) if weights else None
     try:
         manifest = EngineManifest.load(engine_dir)
-        if Path(manifest.source).resolve() != Path(gguf_path).resolve() or manifest.cost_model is None:
+        if Path(manifest.source).resolve() != Path(gguf_path).resolve() or manifest.cost_model is None \
+                or (formats and set(manifest.engines) != {f.value for f in formats}):
             raise FileNotFoundError
     except (FileNotFoundError, ValueError):
-        manifest = build(BuildConfig(target=str(gguf_path), output=repo, drafts=default_drafts(), quiet=True))
+        if embedded:
+            drafts = default_drafts()
+        else:
+            from backend.build.checkpoint import load_checkpoint
+
+            drafts = (f"self:{max(1, load_checkpoint(gguf_path).config.num_layers // 4)}",)
+        manifest = build(BuildConfig(target=str(gguf_path), output=repo, drafts=drafts, quiet=True, weights=formats))
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
     by_format = {fmt: greedy_tokens_per_s(manifest, fmt, prompts, max_new_tokens)
                  for fmt in manifest.engines}
@@ -92,6 +103,17 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int) -> dict:
                        "auto_outputs_equal_plain": all(a["token_ids"] == b["token_ids"] for a, b in
                                                        zip(e2e["none"]["per_prompt"], e2e["auto"]["per_prompt"]))},
     }
+
+
+def cpu_model() -> str:
+    """The machine, as lscpu names it (results are compared within one machine only)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} vCPU"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def peer_end_to_end(peer: dict) -> float:
@@ -269,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp flash attention for the peer run(s). Default both: 'off' (the "
                          "faster setting on this CPU, the main comparison) and 'auto' (llama.cpp's "
                          "stock default, which decodes ~30%% slower here)")
+    ap.add_argument("--weights", default=None,
+                    help="our weight formats to build and measure (default: the device's: gguf,fp32,q4)")
     ap.add_argument("--peer-python", default="python3",
                     help="interpreter used to create the peer venv (default: python3)")
     args = ap.parse_args(argv)
@@ -293,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if "AVX2 = 1" not in sysinfo:
         print(f"[vs] WARNING: llama.cpp build does not report AVX2: {sysinfo}", file=sys.stderr)
 
-    ours = None if args.peer_only else run_ours(gguf, prompts, args.max_new_tokens)
+    ours = None if args.peer_only else run_ours(gguf, prompts, args.max_new_tokens, args.weights)
     ours_error = None
     cmp = compare(peer, ours)
     print_report(cmp)
@@ -318,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                               "ratio_ours_over_llamacpp": c["ratio_ours_over_llamacpp"],
                               "end_to_end": e2e[m]}
                           for m, c in by_mode.items()},
+        "machine": cpu_model(),
         "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "peer_only": args.peer_only,
                    "peer_flash_attn": args.peer_flash_attn,

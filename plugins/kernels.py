@@ -6,7 +6,11 @@ tree_attention: one program per (row, node, KV head). The node's GQA query heads
 rows, the smallest tl.dot) read its own key sequence, the committed columns and then its path
 by depth, gathered from the slot cache in blocks of BLOCK_N aligned at column 0; online softmax
 in float32 with IEEE dots. The sums for a node depend only on that sequence, never on T, the
-batch, or where other nodes' columns sit.
+batch, or where other nodes' columns sit. A sliding window (a layer's, 0: none) masks the
+sequence entries below n - window (n the sequence's length: the node is at position n - 1) and
+starts the loop at the aligned block that holds the first visible one (a block of masked keys
+only would make the online softmax's running max -inf and its rescale NaN); the blocks are
+still aligned at column 0, so the window keeps the sums a function of the node's sequence.
 
 verify: one program per row walks its tree: at each node the target's token (argmax; or, sampled,
 argmax of p / E over the kept set, E the Philox noise of the node's output position, made here
@@ -43,12 +47,13 @@ def interpreted() -> bool:
 
 @triton.jit
 def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr,
-                            paths_ptr, scale, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t, sn_h,
+                            paths_ptr, scale, window, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t, sn_h,
                             so_b, so_t, so_h, sp_b, sp_t, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NEW: tl.constexpr):
     """One (row, node, KV head). NEW: this forward's nodes (scratch index >= n_prior) are read
     from kn/vn [B, T, Hkv, D] rather than the cache (the plugin: TensorRT's inputs are read-only,
-    the runtime writes them to the cache after the step); the same values in the same order."""
+    the runtime writes them to the cache after the step); the same values in the same order.
+    window: the layer's sliding window (0: none), a scalar or a constexpr."""
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     b = pid // T
@@ -61,6 +66,9 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
         prow = tl.load(paths_ptr + b * sp_b + j * sp_t + pi, mask=pi < P, other=-1)
         npath += tl.sum((prow >= 0).to(tl.int32), 0)
     n = ctx + npath                                         # the node's own key sequence
+    lo = tl.zeros([], tl.int32)                             # its first visible entry
+    if window > 0:
+        lo = tl.maximum(n - window, 0)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     head = hkv * G + g
@@ -70,9 +78,9 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     kv_base = slot * sk_s + hkv * sk_h
-    for start in range(0, n, BLOCK_N):
+    for start in range((lo // BLOCK_N) * BLOCK_N, n, BLOCK_N):
         c = start + tl.arange(0, BLOCK_N)
-        valid = c < n
+        valid = (c < n) & (c >= lo)
         in_ctx = c < ctx
         scratch = tl.load(paths_ptr + b * sp_b + j * sp_t + (c - ctx),
                           mask=valid & (c >= ctx), other=0)
@@ -107,26 +115,26 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
 
 @triton.jit
 def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_ptr, scale,
-                          T, P,
+                          window, T, P,
                           sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, so_b, so_t, so_h, sp_b, sp_t,
                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                           BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """The GPU runtime's: the forward's nodes are in the cache already."""
+    """The GPU runtime's: the forward's nodes are in the cache already; window a scalar."""
     _tree_attention_program(q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, ctx_ptr, paths_ptr,
-                            scale, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, 0, 0, 0, so_b, so_t, so_h, sp_b, sp_t,
-                            G, BLOCK_G, BLOCK_P, BLOCK_N, D, False)
+                            scale, window, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, 0, 0, 0, so_b, so_t, so_h,
+                            sp_b, sp_t, G, BLOCK_G, BLOCK_P, BLOCK_N, D, False)
 
 
 @triton.jit
 def tree_attention_plugin_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
                                  T, P, L, o_ptr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                                 SCALE: tl.constexpr):
+                                 SCALE: tl.constexpr, WINDOW: tl.constexpr):
     """The TensorRT plugin's (plugins/trt_plugins.py): inputs, scalars, output, as TensorRT
-    passes them; contiguous tensors, strides from the shapes."""
+    passes them; contiguous tensors, strides from the shapes; scale and window compiled in."""
     hq = HKV * G
     _tree_attention_program(q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
-                            SCALE, T, P, T * hq * D, hq * D, D, HKV * L * D, L * D, D, T * HKV * D, HKV * D, D,
+                            SCALE, WINDOW, T, P, T * hq * D, hq * D, D, HKV * L * D, L * D, D, T * HKV * D, HKV * D, D,
                             T * hq * D, hq * D, D, T * P, P, G, BLOCK_G, BLOCK_P, BLOCK_N, D, True)
 
 
@@ -286,8 +294,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float):
-    """Launch tree_attention (torch tensors; shapes in plugins/reference.py) -> o [B, T, Hq, D]."""
+def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, window: int = 0):
+    """Launch tree_attention (torch tensors; shapes in plugins/reference.py; window: the layer's
+    sliding window, 0 none) -> o [B, T, Hq, D]."""
     import torch
 
     b, t, hq, d = q.shape
@@ -299,7 +308,7 @@ def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float):
     o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
     paths = paths.contiguous()
     tree_attention_kernel[(b * t, hkv)](
-        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), t, paths.shape[2],
+        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), t, paths.shape[2],
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), paths.stride(0), paths.stride(1),
         G=g, BLOCK_G=max(16, _next_pow2(g)), BLOCK_P=max(16, _next_pow2(paths.shape[2])),
@@ -327,7 +336,8 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
     return nodes, out, num
 
 
-def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, scale: float):
+def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, scale: float,
+                          window: int = 0):
     """Launch the plugin's tree attention as TensorRT does (contiguous torch tensors; the
     contract of specdec::tree_attention, build/engine_graph.py) -> o [B, T, Hq, D]."""
     import torch
@@ -339,7 +349,7 @@ def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, pa
     tree_attention_plugin_kernel[(b * t, hkv)](
         c(q), c(k), c(v), c(k_cache), c(v_cache), c(slots), c(ctx_len), c(n_prior), c(paths), t, paths.shape[2], l_, o,
         HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _next_pow2(hq // hkv)), BLOCK_P=PLUGIN_BLOCK_P, BLOCK_N=BLOCK_N, D=d,
-        SCALE=float(scale))
+        SCALE=float(scale), WINDOW=int(window))
     return o
 
 
@@ -368,7 +378,7 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
     """Kernel name -> (jit function, signature, constexprs) of the variants the GPU runtime
     launches, for compiling ahead of time (CI's PTX check, TensorRT plugins)."""
     attn = {"q_ptr": f"*{kv_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}", "o_ptr": "*fp32",
-            "slots_ptr": "*i32", "ctx_ptr": "*i32", "paths_ptr": "*i32", "scale": "fp32", "T": "i32",
+            "slots_ptr": "*i32", "ctx_ptr": "*i32", "paths_ptr": "*i32", "scale": "fp32", "window": "i32", "T": "i32",
             "P": "i32", **{n: "i32" for n in _STRIDES}, "G": "constexpr", "BLOCK_G": "constexpr",
             "BLOCK_P": "constexpr", "BLOCK_N": "constexpr", "D": "constexpr"}
     ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp64",
@@ -398,12 +408,13 @@ def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
 
 
 def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, num_kv_heads: int = 8,
-                      scale: float = 1.0) -> dict:
-    """Plugin name -> (jit function, signature, constexprs) of the TensorRT plugins' kernels."""
+                      scale: float = 1.0, window: int = 0) -> dict:
+    """Plugin name -> (jit function, signature, constexprs) of the TensorRT plugins' kernels
+    (the attention's scale and sliding window are compiled in: one PTX per distinct pair)."""
     attn = {**{n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr")}, "kc_ptr": f"*{kv_dtype}", "vc_ptr": f"*{kv_dtype}",
             **{n: "*i32" for n in ("slots_ptr", "ctx_ptr", "nprior_ptr", "paths_ptr")},
-            "T": "i32", "P": "i32", "L": "i32", "o_ptr": "*fp32", **{n: "constexpr" for n in
-                                                                  ("HKV", "G", "BLOCK_G", "BLOCK_P", "BLOCK_N", "D", "SCALE")}}
+            "T": "i32", "P": "i32", "L": "i32", "o_ptr": "*fp32",
+            **{n: "constexpr" for n in ("HKV", "G", "BLOCK_G", "BLOCK_P", "BLOCK_N", "D", "SCALE", "WINDOW")}}
     ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp32",
            "topk_ptr": "*i32", "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seeds_ptr": "*i64", "pos_ptr": "*i64",
            "T": "i32", "R": "i32", "V": "i32", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32",
@@ -411,7 +422,8 @@ def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 
     return {
         "tree_attention": (tree_attention_plugin_kernel, attn,
                            {"HKV": num_kv_heads, "G": group, "BLOCK_G": max(16, _next_pow2(group)),
-                            "BLOCK_P": PLUGIN_BLOCK_P, "BLOCK_N": BLOCK_N, "D": head_dim, "SCALE": float(scale)}),
+                            "BLOCK_P": PLUGIN_BLOCK_P, "BLOCK_N": BLOCK_N, "D": head_dim, "SCALE": float(scale),
+                            "WINDOW": int(window)}),
         "rejection_sample": (verify_plugin_kernel, ver, {"BLOCK_T": PLUGIN_MAX_NODES, "BLOCK_V": BLOCK_V}),
     }
 

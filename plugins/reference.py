@@ -1,6 +1,6 @@
 """The GPU ops' contracts and their numpy references (the spec every kernel is tested against).
 
-tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale) -> o
+tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale, window=0) -> o
     q        [B, T, Hq, D]   queries of the T new nodes of each row, rotary applied, not scaled
     k_cache  [S, Hkv, L, D]  one layer's keys, one slot per sequence: a row's committed keys at
     v_cache  [S, Hkv, L, D]  columns [0, ctx_len), its scratch nodes' keys right after them
@@ -11,6 +11,12 @@ tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale) -> o
                              ancestor at depth i, node j itself at i = depth(j), then -1. So node
                              j sees node i iff i is j or an ancestor of j. A padding node's path
                              is empty: it sees nothing, and its output is 0
+    scale                    q's multiplier in the scores
+    window   int             a sliding window (0: none): node j at position p = ctx_len + depth(j)
+                             sees only the keys of its own sequence at positions > p - window,
+                             counted along its path (committed column c is position c, its
+                             ancestor at depth i position ctx_len + i): a node with a path of
+                             n entries sees sequence entries >= ctx_len + n - window
     o        [B, T, Hq, D]   float32. GQA: query head h reads KV head h // (Hq / Hkv).
     Masked: nothing else. Positions (rotary) come from tree depth: ctx_len + depth, applied by
     the caller before the keys are written. The kernel reads each node's keys in the order of
@@ -43,9 +49,10 @@ from backend.verify import pad_verdicts, verify_tree
 
 
 def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
-                       ctx_len: np.ndarray, paths: np.ndarray, scale: float) -> np.ndarray:
-    """Per row: every node against the committed columns and its scratch ancestors, in float64
-    (rounded once to float32, so rows are the same whatever else is in the batch)."""
+                       ctx_len: np.ndarray, paths: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
+    """Per row: every node against the committed columns and its scratch ancestors (those within
+    `window` positions of it, where a window is given), in float64 (rounded once to float32, so
+    rows are the same whatever else is in the batch)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert hq % hkv == 0 and v_cache.shape == k_cache.shape and paths.shape[:2] == (b, t), \
@@ -63,6 +70,10 @@ def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
         for j in range(t):
             path = paths[r, j][paths[r, j] >= 0]
             visible[j, ctx + path] = True
+            if window > 0:                      # sequence entries below lo are out of the window
+                lo = ctx + path.size - window
+                visible[j, : min(max(lo, 0), ctx)] = False
+                visible[j, ctx + path[: max(lo - ctx, 0)]] = False
         qq = q[r].astype(np.float64).reshape(t, hkv, g, d)
         s = np.einsum("thgd,hcd->thgc", qq, k) * scale
         s = np.where(visible[:, None, None, :], s, -np.inf)

@@ -106,6 +106,20 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    elif arch == "gemma3":
+        # Gemma-3's layer on a small scale: a window (6) shorter than the test prompts, sliding and
+        # full layers with their own rope bases, q/k norms, norms after attention and MLP, GeGLU,
+        # a scaled embedding, q's scale from query_pre_attn_scalar (not head_dim), a tied head
+        kw.pop("rope_theta")
+        kw.update(head_dim=32, sliding_window=6, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"][:layers],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw))
+        with torch.no_grad():      # Gemma's norms are (1 + w), initialized at w = 0: make them matter
+            for name, prm in model.named_parameters():
+                if "norm" in name:
+                    prm.normal_(0.0, 0.3)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     model.save_pretrained(str(path), safe_serialization=True)

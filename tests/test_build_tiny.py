@@ -140,11 +140,11 @@ def test_unsupported_gguf_quantization_is_named(tmp_path):
     w.add_head_count(4)
     w.add_feed_forward_length(512)
     w.add_context_length(128)
-    raw = np.zeros((256, 256 // 256 * 176), np.uint8)          # Q5_K: 176 bytes per 256 values
-    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+    raw = np.zeros((256, 256 // 256 * 84), np.uint8)           # Q2_K: 84 bytes per 256 values
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match="Q5_K"):
+    with pytest.raises(CheckpointError, match="Q2_K"):
         load_checkpoint(path)

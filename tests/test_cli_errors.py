@@ -26,10 +26,10 @@ def assert_one_line(r: subprocess.CompletedProcess, command: str, *words: str) -
         assert w in lines[0], (w, lines[0])
 
 
-def gemma3_gguf(path: Path) -> Path:
-    """A GGUF that names an architecture we do not serve (yet): metadata and one tensor."""
+def bare_gguf(path: Path, arch: str) -> Path:
+    """A GGUF that names `arch` and holds one tensor and almost no metadata."""
     gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.write_header_to_file()
@@ -51,9 +51,13 @@ def test_an_unsupported_architecture_is_one_line_and_exit_2(tmp_path):
     (hf / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     assert_one_line(specdec("build", "--target", str(hf), "--output", str(tmp_path / "r"), cwd=tmp_path),
                     "build", "unsupported architecture", "GPT2LMHeadModel", "supported")
-    g = gemma3_gguf(tmp_path / "g.gguf")
+    g = bare_gguf(tmp_path / "f.gguf", "falcon")
     assert_one_line(specdec("build", "--target", str(g), "--output", str(tmp_path / "r"), cwd=tmp_path),
-                    "build", "unsupported architecture", "gemma3")
+                    "build", "unsupported architecture", "falcon")
+    # a served architecture whose file lacks what the build needs: the key is named
+    g = bare_gguf(tmp_path / "g.gguf", "gemma3")
+    assert_one_line(specdec("build", "--target", str(g), "--output", str(tmp_path / "r"), cwd=tmp_path),
+                    "build", "gemma3.attention.head_count", "missing")
 
 
 @pytest.mark.parametrize("command", [["bench"], ["bench", "--concurrency", "1"], ["bench-engine"],

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.manifest import EngineManifest, WeightFormat
+from backend.bench.prompt_sets import prompt_ids
+from backend.manifest import EngineManifest
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (256, 1024)
@@ -70,7 +71,7 @@ def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict],
         dec = make_decoder(ServeConfig(engine_dir=str(manifest.root), weight_format=fmt), manifest)
     total_tokens, total_s, per_prompt = 0, 0.0, []
     for i, item in enumerate([prompts[0]] + prompts):   # first one is a warm-up
-        ids = tok.encode(tok.apply_chat_template(item["messages"]), add_special_tokens=False)
+        ids = prompt_ids(tok, item["messages"])
         req = Request(tuple(ids), SamplingParams(max_tokens=max_new, ignore_eos=True), kind)
         t0 = time.perf_counter()
         first_at, n, out_ids = None, 0, []

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.bench.concurrency_bench import add_best_fixed, level_requests, sweep_k_list, write_result
+from backend.bench.prompt_sets import prompt_ids
 from backend.errors import ManifestMissing
 
 
@@ -120,7 +121,7 @@ def request_maker(tok, params, kind: str, k: int | None, cache: dict):
     def make(p):
         key = json.dumps(p["messages"])
         if key not in cache:
-            cache[key] = tuple(tok.encode(tok.apply_chat_template(p["messages"])))
+            cache[key] = tuple(prompt_ids(tok, p["messages"]))
         return Request(cache[key], params, DrafterKind(kind), k)
     return make
 

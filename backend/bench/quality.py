@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.bench.prompt_sets import prompt_ids
+
 
 def _greedy(rt, ids: list[int], n: int) -> list[int]:
     rt.alloc(0)
@@ -52,7 +54,7 @@ def run(engine_dir: str, fmt: str, reference: str, prompts: list[dict], max_new_
     ref_rt, rt = load_runtime(m, reference, options=opts), load_runtime(m, fmt, options=opts)
     per, agree, kls = [], [], []
     for p in prompts:
-        ids = tok.encode(tok.apply_chat_template(p["messages"]), add_special_tokens=False)
+        ids = prompt_ids(tok, p["messages"])
         cont = _greedy(ref_rt, ids, max_new_tokens)
         full = ids + cont
         a, b = _teacher_forced(ref_rt, full, len(cont)), _teacher_forced(rt, full, len(cont))

@@ -5,16 +5,19 @@ decoder (same engine, same sampling parameters and seed), so the speedup is a ra
 under the same machine conditions. Reports overall and per prompt kind: tokens/s, TPOT, TTFT,
 acceptance rate, E[tau] (mean tokens per target forward), per-position acceptance and the
 draft/verify time split; per prompt: speedup, E[tau] and, at temperature 0, whether the
-speculative output is token-identical to plain decoding.
+speculative output is token-identical to plain decoding. A model without a chat template (a base
+model) gets each prompt's text as a plain continuation; the report says which ("prompt_format").
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.bench.prompt_sets import PLAIN_CONTINUATION, prompt_format, prompt_ids
 from backend.config import DrafterKind, SamplingParams
 from backend.decoder import SpecDecoder
 from backend.sequence import Request
@@ -74,8 +77,11 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
         temperature: float = 0.0, num_draft_tokens: int | None = None, ignore_eos: bool = False,
         out_json: Path | None = None, log=print) -> dict:
     tok = decoder.tok
-    encoded = [(p, tok.encode(tok.apply_chat_template(p["messages"]), add_special_tokens=False))
-               for p in prompts]
+    fmt = prompt_format(tok)
+    if fmt == PLAIN_CONTINUATION:
+        print("bench: this model has no chat template (a base model): each prompt's text is a plain "
+              "continuation", file=sys.stderr)
+    encoded = [(p, prompt_ids(tok, p["messages"])) for p in prompts]
     warm = encoded[0][1]
     run_one(decoder, warm, SamplingParams(max_tokens=16), DrafterKind.NONE, None)   # warm-up
     run_one(decoder, warm, SamplingParams(max_tokens=16), drafter, num_draft_tokens)
@@ -105,7 +111,8 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
             f"x{row['speedup']:.2f}  E[tau] {row['mean_accepted_tokens']:.2f}  "
             f"identical={row['identical_to_plain']}")
     result = {
-        "drafter": drafter.value, "max_new_tokens": max_new_tokens, "temperature": temperature,
+        "drafter": drafter.value, "prompt_format": fmt, "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
         "num_draft_tokens": num_draft_tokens if num_draft_tokens is not None else "auto",
         "speedup": round(spec_all.to_json()["tokens_per_s"] / plain_all.to_json()["tokens_per_s"], 3),
         "plain": plain_all.to_json(), "spec": spec_all.to_json(),

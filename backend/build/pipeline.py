@@ -69,14 +69,18 @@ def build(cfg: BuildConfig) -> EngineManifest:
             raise BuildError(f"--weights {w.value} {b.missing()}")
     t_start = time.time()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
-    source = cfg.target
-    if source is None:
-        from backend.build.embedded import default_gguf
+    from backend.build.embedded import resolve_target
 
-        source = str(default_gguf())
-        log(f"target: embedded default {source}")
+    source = resolve_target(cfg.target)     # a path, a model package's name, or the default
+    if source != cfg.target:
+        log(f"target: {cfg.target or 'embedded default'} -> {source}")
     t0 = time.time()
     ck = ckpt_mod.load_checkpoint(source)            # a wrong target fails before anything is written
+    for w, b in zip(cfg.weights, owners):
+        if b.unsupported(ck.config):
+            raise BuildError(f"{ck.config.architecture} on --device {cfg.device.value} --weights {w.value}: "
+                             f"its engines do not implement {', '.join(b.unsupported(ck.config))} yet; "
+                             f"build it with --device cpu")
     engine_dir = Path(cfg.output) / ENGINE_SUBDIR
     engine_dir.mkdir(parents=True, exist_ok=True)
     log(f"loaded {ck.config.architecture} ({ck.config.num_layers} layers, vocab "

@@ -47,6 +47,11 @@ class Blocks:
                       (self.scale * np.float32(factor)).astype(np.float32), off)
 
 
+def decodable(qtype: str) -> bool:
+    """Whether decode_blocks repacks this GGUF type exactly."""
+    return qtype in _BLOCK
+
+
 def decode_blocks(qtype: str, raw: np.ndarray) -> Blocks:
     """Decode GGUF rows [N, bytes_per_row] (uint8) into canonical Blocks."""
     if qtype not in _BLOCK:
@@ -139,7 +144,11 @@ def quantize_rtn(w: np.ndarray, bits: int = 4, block_size: int = 32) -> Blocks:
     wb = w.reshape(n, k // block_size, block_size).astype(np.float32)
     lo, hi = wb.min(-1), wb.max(-1)
     levels = (1 << bits) - 1
-    scale = np.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
+    # a constant block (a zeroed padding row: Gemma's <pad> embedding) gets a scale at its own
+    # size, not 1.0: the offset (lo + 2**(bits-1) * scale) is applied to exact activation sums
+    # while MatMulNBits' int8 path sums quantized activations, a mismatch that grows with it
+    flat = np.maximum(np.abs(lo), np.float32(1e-8)) / levels
+    scale = np.where(hi > lo, (hi - lo) / levels, flat).astype(np.float32)
     q = np.clip(np.rint((wb - lo[..., None]) / scale[..., None]), 0, levels).astype(np.uint8)
     # w ~= scale*q + lo = scale*(q - 2**(bits-1)) + (lo + 2**(bits-1)*scale)
     offset = (lo + (1 << (bits - 1)) * scale).astype(np.float32)

@@ -59,6 +59,13 @@ class EngineBackend(ABC):
     formats: tuple[WeightFormat, ...] = ()      # weight formats whose engines it builds and runs
     defaults: tuple[WeightFormat, ...] = ()     # built when --weights is not given
     any_feature_layers: bool = False            # runs any EAGLE-3 feature layers (not baked in a graph)
+    # what its engines implement of the model description beyond the Llama layer
+    # (manifest.ModelConfig.features): a model using anything else is refused before a build
+    model_features: frozenset[str] = frozenset()
+
+    def unsupported(self, model) -> list[str]:
+        """The model description's features this backend's engines do not implement."""
+        return sorted(set(model.features()) - self.model_features)
 
     def missing(self) -> str | None:
         """Why this install cannot build or run this backend's engines (one line), or None."""

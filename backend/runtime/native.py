@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.engine_format import KINDS, LANES, QBLOCK, read_native
+from backend.engine_format import KINDS, kernel_abi, read_native
 from backend.config import RuntimeOptions
 from backend.errors import UserError
 from backend.kv_cache import PAD_PARENT
@@ -42,13 +42,20 @@ class _Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P), ("hidden_norm", _P),
-                ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+                ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_mlp_norm", _P),
+                ("rope_cos", _P), ("rope_sin", _P), ("window", _I32), ("pad_", _I32),
+                ("qkv", _Matrix * 3), ("gate_up", _Matrix * 2), ("o", _Matrix), ("down", _Matrix)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}      # forward.c SD_SILU, SD_GELU_TANH
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
                                     "head_dim", "vocab", "max_pos")] + \
-               [("eps", _F32), ("scale", _F32), ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
+               [("eps", _F32), ("scale", _F32), ("act", _I32), ("embed_scale", _F32),
+                ("final_softcap", _F32), ("pad_", _I32),
+                ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
                 ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("fc", _Matrix), ("fc_bias", _P)]
 
@@ -117,13 +124,10 @@ class NativeABIError(UserError, RuntimeError):
 
 def expected_abi() -> dict[str, int]:
     """What this side was written against, in sd_abi's order (forward.c)."""
-    return {"abi version": 2, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+    return {"abi version": 3, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
             "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
             "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
-            "LANES": LANES, "QBLOCK": QBLOCK,
-            "SD_Q4_1": KINDS["q4"], "SD_Q8_0": KINDS["q8"],
-            "q4 block bytes": LANES * (QBLOCK // 2 + 4),          # 16 rows x (16 nibble bytes, d, m)
-            "q8 block bytes": LANES * (QBLOCK + 2)}               # 16 rows x (32 int8, d)
+            **kernel_abi()}
 
 
 def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
@@ -188,14 +192,26 @@ class NativeModel:
                                     header["tensors"][name]["rows"], header["tensors"][name]["cols"], 0)
                             if name in t else _Matrix(None, 0, 0, 0, 0))
         n = num_layers
-        self.layers = (_Layer * n)(*[
-            _Layer(_ptr(t.get(f"layers.{i}.attn_norm")), _ptr(t[f"layers.{i}.mlp_norm"]),
-                   _ptr(t.get(f"layers.{i}.qkv_bias")), _ptr(t.get(f"layers.{i}.hidden_norm")),
-                   mat(f"layers.{i}.qkv"), mat(f"layers.{i}.o"),
-                   mat(f"layers.{i}.gate_up"), mat(f"layers.{i}.down")) for i in range(n)])
         c = config
+        local = ("rope_local_cos" in t)
+
+        def layer(i: int) -> _Layer:
+            get = lambda name: _ptr(t.get(f"layers.{i}.{name}"))
+            fused = f"layers.{i}.qkv" in t
+            qkv = [mat(f"layers.{i}.qkv"), mat(""), mat("")] if fused else \
+                [mat(f"layers.{i}.{p}") for p in ("q", "k", "v")]
+            gu = [mat(f"layers.{i}.gate_up"), mat("")] if f"layers.{i}.gate_up" in t else \
+                [mat(f"layers.{i}.{p}") for p in ("gate", "up")]
+            rope = (_ptr(t["rope_local_cos"]), _ptr(t["rope_local_sin"])) if local and c.local_rope(i) else (None, None)
+            return _Layer(get("attn_norm"), get("mlp_norm"), get("qkv_bias"), get("hidden_norm"),
+                          get("q_norm"), get("k_norm"), get("post_attn_norm"), get("post_mlp_norm"),
+                          rope[0], rope[1], c.window(i), 0, (_Matrix * 3)(*qkv), (_Matrix * 2)(*gu),
+                          mat(f"layers.{i}.o"), mat(f"layers.{i}.down"))
+
+        self.layers = (_Layer * n)(*[layer(i) for i in range(n)])
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.vocab_size, header["max_positions"], c.rms_norm_eps, 1.0 / float(np.sqrt(c.head_dim)),
+                             c.vocab_size, header["max_positions"], c.rms_norm_eps, c.scale,
+                             ACTIVATIONS[c.activation], c.embed_scale, c.final_logit_softcap, 0,
                              _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))

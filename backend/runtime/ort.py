@@ -177,6 +177,9 @@ class OrtRuntime:
         self._hidden = Grow()
         self._lock = threading.Lock()   # one forward at a time; state is not thread safe
         self._kv_shape = (config.num_kv_heads, config.head_dim)
+        # the sliding layers' window, where the graph has them (graph.py attn_bias_local)
+        has_local = any(i.name == "attn_bias_local" for i in self.session.get_inputs())
+        self._window = max(config.window(i) for i in range(num_layers)) if has_local else 0
 
     # --- sequences ---------------------------------------------------------------------------
     def alloc(self, seq_id: int) -> None:
@@ -225,6 +228,8 @@ class OrtRuntime:
             self._bind_in(io, "input_ids", np.ascontiguousarray(input_ids, np.int64))
             self._bind_in(io, "position_ids", positions)
             self._bind_in(io, "attn_bias", bias)
+            if self._window:
+                self._bind_in(io, "attn_bias_local", g.layout.window_bias(bias, positions, self._window))
             self._bind_in(io, "logits_index", np.ascontiguousarray(logits_index, np.int64))
             for name, arr in (extra_inputs or {}).items():
                 self._bind_in(io, name, np.ascontiguousarray(arr))

@@ -1,6 +1,9 @@
-"""The Llama-family decoder in torch, for the GPU runtime (torch_rt.py): the math of the ONNX
-graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for Qwen2), rotary by position, GQA
-attention through the runtime's KV callback, SwiGLU, the final norm; an EAGLE head first maps
+"""The decoder of the model description (manifest.ModelConfig) in torch, for the GPU runtime
+(torch_rt.py): the math of the ONNX graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for
+Qwen2), q/k norms per head (Gemma-3), rotary by position (the sliding layers' own base where the
+model has one), GQA attention through the runtime's KV callback (q's multiplier cfg.scale, the
+layer's sliding window), norms on the attention and MLP outputs (Gemma), SwiGLU or GeGLU (tanh
+GELU), the scaled embedding, the final norm and the logits' soft-cap; an EAGLE head first maps
 [embedding of x, target feature] through `fc`; an EAGLE-3 head (`layers.0.hidden_norm`) takes the
 feature as its residual stream and attends over [norm(embedding), norm(feature)]. A target with
 `feature_layers` appends those layers' inputs to its features (EAGLE-3's, graph.py).
@@ -20,7 +23,6 @@ Knows: tensors, layer math. Does not know: slots, trees, requests.
 """
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import numpy as np
@@ -38,7 +40,8 @@ class KVAccess(Protocol):
         """The new tokens' keys and values [N, Hkv, D] (rotary applied)."""
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Queries [N, Hq, D] -> attention output [N, Hq, D]."""
+        """Queries [N, Hq, D] (rotary applied, not scaled) -> attention output [N, Hq, D], with
+        the model's scale and layer `layer`'s window (TorchModel.scale, .windows)."""
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,11 +118,15 @@ class _Layer:
                 b = torch.cat([t[f"layers.{i}.{n}"] for n in bias])
             return Linear(w, b, dtype, scale, act, hw_fp8)
 
-        norm = t.get(f"layers.{i}.attn_norm")              # absent in an EAGLE-1/2 head's layer
-        self.attn_norm = None if norm is None else norm.to(dtype)
-        norm = t.get(f"layers.{i}.hidden_norm")            # an EAGLE-3 head's feature norm
-        self.hidden_norm = None if norm is None else norm.to(dtype)
+        opt = lambda n: None if f"layers.{i}.{n}" not in t else t[f"layers.{i}.{n}"].to(dtype)
+        self.attn_norm = opt("attn_norm")                  # absent in an EAGLE-1/2 head's layer
+        self.hidden_norm = opt("hidden_norm")              # an EAGLE-3 head's feature norm
         self.mlp_norm = t[f"layers.{i}.mlp_norm"].to(dtype)
+        # Gemma: norms of the attention's and the MLP's outputs (where the checkpoint has them,
+        # as graph.py), and q/k norms per head (where the model description says so)
+        self.post_attn_norm, self.post_mlp_norm = opt("post_attn_norm"), opt("post_mlp_norm")
+        self.q_norm = t[f"layers.{i}.q_norm"].to(dtype) if cfg.qk_norm else None
+        self.k_norm = t[f"layers.{i}.k_norm"].to(dtype) if cfg.qk_norm else None
         self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if cfg.attention_bias else None)
         self.o = lin(["o"], "o")
         self.gate_up = lin(["gate", "up"], "gate_up")
@@ -147,10 +154,17 @@ class TorchModel:
         self.norm = t["norm"].to(self.dtype) if "norm" in t else None     # absent: an EAGLE-1/2 head
         self.lm_head = t.get("lm_head", t["embed"]).to(self.dtype)
         self.fc = Linear(t["fc"], t["fc_bias"], self.dtype) if "fc" in t else None
-        cos, sin = rope_tables(cfg, max_positions)
-        self.cos = torch.from_numpy(cos).to(device=device, dtype=torch.float32)
-        self.sin = torch.from_numpy(sin).to(device=device, dtype=torch.float32)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        tab = lambda a: torch.from_numpy(a).to(device=device, dtype=torch.float32)
+        self.rope = {False: tuple(map(tab, rope_tables(cfg, max_positions)))}        # (cos, sin)
+        self.local = [cfg.local_rope(i) for i in range(num_layers)]
+        if any(self.local):                      # the sliding layers' own base (Gemma-3)
+            self.rope[True] = tuple(map(tab, rope_tables(cfg, max_positions, local=True)))
+        # Gemma: sqrt(hidden), rounded to the compute dtype as transformers does (a device
+        # tensor made here, not in a forward: a CUDA graph capture may not copy from the host)
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=self.dtype, device=device)
+                            if cfg.embed_scale != 1.0 else None)
+        self.scale = cfg.scale                   # q's multiplier, applied by the attention
+        self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if w is None:
@@ -159,9 +173,11 @@ class TorchModel:
         xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return xf.to(self.dtype) * w
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """HF rotate_half on [N, H, D] at positions [N], in float32."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """HF rotate_half on [N, H, D] at positions [N], in float32 (local: the sliding layers'
+        tables)."""
+        cos, sin = self.rope[local]
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
         x = x.float()
         h = x.shape[-1] // 2
         x1, x2 = x[..., :h], x[..., h:]
@@ -178,6 +194,8 @@ class TorchModel:
         eagle3 = self.layers[0].hidden_norm is not None
         if eagle3 or self.fc is not None:
             assert features is not None, "an EAGLE head needs the target's features"
+        elif self.embed_scale is not None:
+            x = x * self.embed_scale
         embeds = x
         if eagle3:
             x = features.to(self.dtype)
@@ -192,22 +210,28 @@ class TorchModel:
             else:
                 hn = self._rmsnorm(x, layer.attn_norm)
             qkv = layer.qkv(hn).view(-1, nh + 2 * nkv, d)
-            q = self._rope(qkv[:, :nh], positions)
-            k = self._rope(qkv[:, nh:nh + nkv], positions)
+            q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
+            if layer.q_norm is not None:         # per head, before rotary
+                q, k = self._rmsnorm(q, layer.q_norm), self._rmsnorm(k, layer.k_norm)
+            q = self._rope(q, positions, self.local[i])
+            k = self._rope(k, positions, self.local[i])
             kv.write(i, k, qkv[:, nh + nkv:])
             o = kv.attend(i, q).reshape(-1, nh * d).to(self.dtype)
-            x = x + layer.o(o)
+            x = x + self._rmsnorm(layer.o(o), layer.post_attn_norm)
             gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm))
             g, u = gu.split(cfg.intermediate_size, -1)
-            x = x + layer.down(F.silu(g) * u)
+            a = F.gelu(g, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(g)
+            x = x + self._rmsnorm(layer.down(a * u), layer.post_mlp_norm)
         normed = self._rmsnorm(x, self.norm)
         if eagle3:
             return x, normed
         return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """[R, H] final-norm rows -> [R, V] float32 logits."""
-        return linear_rows(rows, self.lm_head, None, self.device.type == "cpu").float()
+        """[R, H] final-norm rows -> [R, V] float32 logits (soft-capped where the model is)."""
+        logits = linear_rows(rows, self.lm_head, None, self.device.type == "cpu").float()
+        cap = self.cfg.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def linears(self) -> dict[str, Linear]:
         return {f"layers.{i}.{k}": lin for i, layer in enumerate(self.layers) for k, lin in layer.linears().items()}

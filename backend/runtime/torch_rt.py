@@ -8,7 +8,8 @@ slot S takes the writes of padding rows; L = max_seq_len + SCRATCH_COLUMNS for t
 bookkeeping in kv_slots.py: joins and leaves cost nothing (no KV groups, unlike the ONNX
 runtime); commit moves the accepted nodes' columns down to the committed end (a few columns per
 row), so no garbage stays.
-A forward's tree attention reads each node's committed columns and its path (plugins/reference.py).
+A forward's tree attention reads each node's committed columns and its path (plugins/reference.py),
+on a sliding layer only the entries within the layer's window of the node's position.
 
 CUDA graphs: a decode-sized step (rows <= 64, nodes per row <= 32) is padded to a (batch, width)
 bucket and replays the graph captured for it on first use; inputs go through static buffers, so
@@ -59,6 +60,9 @@ class TorchRuntime(SlotSequences):
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._graphs: dict[tuple[int, int], tuple] = {}
         self.use_graphs = self.device.type == "cuda" and options.cuda_graphs
+        # attention by the Triton kernel (a GPU), else by its numpy reference; a test may set it
+        # on a CPU, where the kernel runs in Triton's interpreter (TRITON_INTERPRET=1)
+        self.kernels = self.device.type == "cuda"
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -167,7 +171,8 @@ class TorchRuntime(SlotSequences):
 
 class _SlotKV:
     """The model's KV callback for one forward: writes to the nodes' (slot, column), attention
-    through the kernel (GPU) or its numpy reference (CPU)."""
+    (the model's scale, the layer's sliding window) through the kernel (GPU) or its numpy
+    reference (CPU)."""
 
     def __init__(self, rt: TorchRuntime, x: dict):
         self.rt, self.x = rt, x
@@ -182,15 +187,16 @@ class _SlotKV:
         b, t = self.x["ids"].shape
         q = q.view(b, t, q.shape[1], q.shape[2])
         kc, vc = self.rt.cache[layer, 0], self.rt.cache[layer, 1]
-        scale = self.rt.model.scale
-        if self.rt.device.type == "cuda":
+        scale, window = self.rt.model.scale, self.rt.model.windows[layer]
+        if self.rt.kernels:
             from plugins.kernels import tree_attention
 
-            o = tree_attention(q.contiguous(), kc, vc, self.x["slots"], self.x["ctx"], self.x["paths"], scale)
+            o = tree_attention(q.contiguous(), kc, vc, self.x["slots"], self.x["ctx"], self.x["paths"], scale,
+                               window)
         else:
             from plugins.reference import tree_attention_ref
 
             o = torch.from_numpy(tree_attention_ref(
                 q.float().numpy(), kc.float().numpy(), vc.float().numpy(), self.x["slots"].numpy(),
-                self.x["ctx"].numpy(), self.x["paths"].numpy(), scale))
+                self.x["ctx"].numpy(), self.x["paths"].numpy(), scale, window))
         return o.view(b * t, q.shape[2], q.shape[3])

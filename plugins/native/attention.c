@@ -73,7 +73,8 @@ size_t attend_work_floats(int tokens, int ctx, int path_len) {
  * arithmetic is the same as for a node alone: per-column scores, max, exp, the sum of sc[t] in 8
  * lanes, the weighted values summed over columns in order, even and odd columns apart (two
  * chains). */
-void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int ctx,
+void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int window,
+                const int64_t *pos, int ctx,
                 const int32_t *paths, int path_len, int tokens, const float *q, int ldq,
                 float *out, int ldo, float *work, const uint16_t *zero_col) {
     int dv = d / VW;
@@ -89,9 +90,19 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int 
         while (plen[t] < path_len && pt[plen[t]] >= 0) plen[t]++;
         for (int e = 0; e < dv; e++) qv[t * dv + e] = vmul(vload(q + (size_t)t * ldq + e * VW), vset1(scale));
     }
+    /* a sliding window: columns below j_start are out of every node's window. They are skipped,
+     * not computed: a masked column adds exactly 0 to every sum below, so skipping it gives the
+     * same bits as masking it, and a node's result does not depend on its batch-mates. */
+    int j_start = 0;
+    if (window > 0) {
+        int64_t lo = pos[0];
+        for (int t = 1; t < tokens; t++) lo = pos[t] < lo ? pos[t] : lo;
+        lo = lo - window + 1;
+        j_start = lo <= 0 ? 0 : (int)(lo < ctx ? lo : ctx) & ~7;
+    }
     /* committed columns, 8 at a time, shared by every node */
     const uint16_t *k8[8];
-    for (int j0 = 0; j0 < ctx; j0 += 8) {
+    for (int j0 = j_start; j0 < ctx; j0 += 8) {
         for (int i = 0; i < 8; i++) k8[i] = j0 + i < ctx ? kb + (int64_t)(j0 + i) * d : zero_col;
         for (int t = 0; t < tokens; t++) _mm256_storeu_ps(scores + (size_t)t * spad + j0, scores8(qv + t * dv, dv, k8));
     }
@@ -111,18 +122,22 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int 
             for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
         }
         mask_tail(sc, n, (n + 7) & ~7);
+        if (window > 0) {                     /* keys at positions <= pos - window */
+            int64_t lo = pos[t] - window + 1;
+            mask_tail(sc, j_start, lo < n ? (int)lo : n);
+        }
     }
     /* softmax weights per node */
     for (int t = 0; t < tokens; t++) {
         float *sc = scores + (size_t)t * spad;
         int n = ctx + plen[t], npad = (n + 7) & ~7;
         __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        for (int j = 0; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+        for (int j = j_start; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         __m256 zsum = _mm256_setzero_ps(), mv = _mm256_set1_ps(n ? _mm_cvtss_f32(m4) : 0.0f);
-        for (int j = 0; j < npad; j += 8) {
+        for (int j = j_start; j < npad; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
             _mm256_storeu_ps(sc + j, e);
             zsum = _mm256_add_ps(zsum, e);
@@ -132,7 +147,7 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int 
         for (int e = 0; e < 2 * dv; e++) acc[t * 2 * dv + e] = vzero();
     }
     /* weighted values: committed columns shared, then each node's path */
-    for (int j = 0; j < ctx; j++) {
+    for (int j = j_start; j < ctx; j++) {
         const uint16_t *v = vb + (int64_t)j * d;
         vf vv[MAX_HEAD_DIM / VW];
         for (int e = 0; e < dv; e++) vv[e] = vloadh(v + e * VW);

@@ -28,16 +28,31 @@
 
 #include "kernels.h"
 
+/* What an architecture adds to the Llama layer is data here, read as flags (the model description,
+ * backend/manifest.py ModelConfig): NULL norms are absent, window 0 is full attention. */
 typedef struct {
     const float *attn_norm, *mlp_norm;   /* [H] */
     const float *qkv_bias;               /* [(Hq + 2 Hkv) D] or NULL */
     const float *hidden_norm;            /* [H] an EAGLE-3 head's feature norm, else NULL */
-    sd_matrix qkv, o, gate_up, down;
+    const float *q_norm, *k_norm;        /* [D] per-head norms of q and k before rotary (Gemma-3, Qwen3), or NULL */
+    const float *post_attn_norm, *post_mlp_norm;   /* [H] norms of the attention and MLP outputs (Gemma), or NULL */
+    const float *rope_cos, *rope_sin;    /* [max_pos, D/2] this layer's rotary tables; NULL: the model's */
+    int32_t window, pad_;                /* sliding window (keys at positions > pos - window), 0: none */
+    sd_matrix qkv[3];                    /* fused [q; k; v] in qkv[0] (qkv[1].data NULL), or q, k, v
+                                            apart when their block kinds differ */
+    sd_matrix gate_up[2];                /* fused [gate; up] in gate_up[0], or apart likewise */
+    sd_matrix o, down;
 } sd_layer;
+
+enum { SD_SILU = 0, SD_GELU_TANH = 1 };
 
 typedef struct {
     int32_t hidden, inter, num_layers, num_heads, num_kv_heads, head_dim, vocab, max_pos;
     float eps, scale;
+    int32_t act;                         /* SD_SILU | SD_GELU_TANH: the gated MLP's activation */
+    float embed_scale;                   /* the embedding's multiplier (Gemma: sqrt(H)); 0 or 1: none */
+    float final_softcap;                 /* logits = cap tanh(logits / cap); 0: none */
+    int32_t pad_;
     const float *rope_cos, *rope_sin;    /* [max_pos, D/2] */
     const float *norm;                   /* [H] */
     sd_matrix embed, lm_head;            /* embed: gathered one row per token */
@@ -204,6 +219,7 @@ static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *
     const int rows = s->rows, h = m->hidden, eagle3 = is_eagle3(m);
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) dequant_row(&m->embed, (int)s->ids[r], (eagle3 ? b->emb : b->x) + (size_t)r * h);
+    if (m->embed_scale != 0.0f && m->embed_scale != 1.0f) scale_rows(eagle3 ? b->emb : b->x, rows, h, m->embed_scale);
     if (eagle3) {
         copy_rows(s->features, h, b->x, h, rows, h);
     } else if (m->fc.data) {
@@ -220,12 +236,16 @@ static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *
 
 /* att = attention of every node, after rotary on qkv and the new K, V written to their columns */
 static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const buffers *b, float *work, int l) {
+    const sd_layer *L = &m->layers[l];
     const int d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, nqkv = (hq + 2 * hkv) * d;
+    const float *cos = L->rope_cos ? L->rope_cos : m->rope_cos, *sin = L->rope_sin ? L->rope_sin : m->rope_sin;
 #pragma omp for schedule(static)
     for (int r = 0; r < s->rows; r++) {
         float *qr = b->qkv + (size_t)r * nqkv;
         int64_t p = s->pos[r];
-        rope(qr, hq + hkv, d, m->rope_cos + p * (d / 2), m->rope_sin + p * (d / 2));
+        if (L->q_norm) rmsnorm_heads(qr, hq, d, L->q_norm, m->eps);
+        if (L->k_norm) rmsnorm_heads(qr + (size_t)hq * d, hkv, d, L->k_norm, m->eps);
+        rope(qr, hq + hkv, d, cos + p * (d / 2), sin + p * (d / 2));
         for (int kh = 0; kh < hkv; kh++) {
             store_f16(kv_at(c, m, l, 0, s->wslot[r], kh, s->wcol[r]), qr + (hq + kh) * d, d);
             store_f16(kv_at(c, m, l, 1, s->wslot[r], kh, s->wcol[r]), qr + (hq + hkv + kh) * d, d);
@@ -238,9 +258,36 @@ static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const bu
         int n = s->row_start[row + 1] - s->row_start[row];
         if (n > 0)
             attend_row(kv_at(c, m, l, 0, s->slots[row], kh, 0), kv_at(c, m, l, 1, s->slots[row], kh, 0), d,
-                       m->scale, s->ctx[row], s->paths + r0 * s->path_len, s->path_len, n,
+                       m->scale, L->window, s->pos + r0, s->ctx[row], s->paths + r0 * s->path_len, s->path_len, n,
                        b->qkv + r0 * nqkv + qh * d, nqkv, b->att + r0 * hq * d + qh * d, hq * d, work, b->zero_col);
     }
+}
+
+/* y [rows, width] = a times a fused matrix (w[0] only) or its n parts apart, their outputs side
+ * by side (+ bias [width] or NULL) */
+static void parts(const sd_matrix *w, int n, const act_q *a, int rows, float *y, int width, const float *bias) {
+    if (!w[1].data) {
+        matmul(&w[0], a, rows, y, width, width, 0, bias);
+        return;
+    }
+    int off = 0;
+    for (int i = 0; i < n && w[i].data; i++) {
+        int n_out = i == n - 1 || !w[i + 1].data ? width - off : w[i].rows;
+        matmul(&w[i], a, rows, y + off, width, n_out, 0, bias ? bias + off : NULL);
+        off += n_out;
+    }
+}
+
+/* x += a W^T, or x += norm(a W^T) where the architecture norms a block's output (Gemma) */
+static void residual(const sd_matrix w, const float *post_norm, const sd_model *m, const act_q *a, int rows,
+                     const buffers *b) {
+    const int h = m->hidden;
+    if (!post_norm) {
+        matmul(&w, a, rows, b->x, h, h, 1, NULL);
+        return;
+    }
+    matmul(&w, a, rows, b->hn, h, h, 0, NULL);
+    add_normed_rows(b->hn, rows, h, post_norm, m->eps, b->x);
 }
 
 /* decoder layer l over every node, the residual stream x in place */
@@ -260,19 +307,20 @@ static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffer
         my->k = h;
         quantize_rows(b->hn, rows, h, my);
     }
-    matmul(&L->qkv, my, rows, b->qkv, nqkv, nqkv, 0, L->qkv_bias);
+    parts(L->qkv, 3, my, rows, b->qkv, nqkv, L->qkv_bias);
     attention(m, c, s, b, work, l);
     my->k = hqd;
     quantize_rows(b->att, rows, hqd, my);
-    matmul(&L->o, my, rows, b->x, h, h, 1, NULL);
+    residual(L->o, L->post_attn_norm, m, my, rows, b);
     rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
     my->k = h;
     quantize_rows(b->hn, rows, h, my);
-    matmul(&L->gate_up, my, rows, b->gu, 2 * inter, 2 * inter, 0, NULL);
-    swiglu_rows(b->gu, rows, inter, b->act);
+    parts(L->gate_up, 2, my, rows, b->gu, 2 * inter, NULL);
+    if (m->act == SD_GELU_TANH) geglu_rows(b->gu, rows, inter, b->act);
+    else swiglu_rows(b->gu, rows, inter, b->act);
     my->k = inter;
     quantize_rows(b->act, rows, inter, my);
-    matmul(&L->down, my, rows, b->x, h, h, 1, NULL);
+    residual(L->down, L->post_mlp_norm, m, my, rows, b);
 }
 
 /* the final norm, the features out, the logits of the nodes that get them */
@@ -287,6 +335,24 @@ static void head(const sd_model *m, const sd_step *s, const buffers *b, act_q *m
     my->k = h;
     quantize_rows(b->hn, s->num_logits, h, my);
     matmul(&m->lm_head, my, s->num_logits, s->logits, m->vocab, m->vocab, 0, NULL);
+    if (m->final_softcap > 0.0f) softcap_rows(s->logits, s->num_logits, m->vocab, m->vocab, m->final_softcap);
+}
+
+/* a matrix the kernels can run: a known kind, whole blocks and lane groups (matmul and
+ * dequant_row cannot fail, and an unknown kind would give zeros) */
+static int usable(const sd_matrix *w) {
+    return block_bytes(w->type) != 0 && w->cols % block_elems(w->type) == 0 && w->rows % LANES == 0;
+}
+
+static int model_usable(const sd_model *m) {
+    if (!usable(&m->embed) || !usable(&m->lm_head) || (m->fc.data && !usable(&m->fc))) return 0;
+    for (int l = 0; l < m->num_layers; l++) {
+        const sd_layer *L = &m->layers[l];
+        for (int i = 0; i < 3; i++) if ((i == 0 || L->qkv[i].data) && !usable(&L->qkv[i])) return 0;
+        for (int i = 0; i < 2; i++) if ((i == 0 || L->gate_up[i].data) && !usable(&L->gate_up[i])) return 0;
+        if (!usable(&L->o) || !usable(&L->down)) return 0;
+    }
+    return 1;
 }
 
 /* 0; a refusal (SD_BAD_*, nothing written); or -1: shapes the kernels do not take, a missing
@@ -296,7 +362,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
     if (bad) return bad;
     const int h = m->hidden, d = m->head_dim;
     if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || m->inter % QBLOCK || (m->num_heads * d) % QBLOCK) return -1;
-    if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden) return -1;
+    if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden || !model_usable(m)) return -1;
     buffers b;
     if (reserve(ws, carve(m, s, NULL, &b))) return -1;
     carve(m, s, ws->data, &b);
@@ -324,12 +390,11 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */
-#define SD_ABI_VERSION 2
+#define SD_ABI_VERSION 3   /* 3: model flags (Gemma-3), sliding windows, kernel_abi */
 int sd_abi(int64_t *out, int n) {
-    const int64_t v[] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
-                         sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace), LANES, QBLOCK,
-                         SD_Q4_1, SD_Q8_0, (int64_t)block_bytes(SD_Q4_1), (int64_t)block_bytes(SD_Q8_0)};
-    const int count = (int)(sizeof v / sizeof v[0]);
+    int64_t v[8 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
+                         sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace)};
+    const int count = 7 + kernel_abi(v + 7);
     for (int i = 0; i < n && i < count; i++) out[i] = v[i];
     return count;
 }
@@ -352,7 +417,7 @@ int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int thread
     int nb = w->cols / QBLOCK;
     act_q a = {alloc_lines((size_t)rows * w->cols), alloc_lines(sizeof(float) * (size_t)rows * nb),
                alloc_lines(sizeof(int32_t) * (size_t)rows * nb), w->cols};
-    int ok = a.q && a.d && a.sum && w->cols % QBLOCK == 0 && w->rows % LANES == 0;
+    int ok = a.q && a.d && a.sum && w->cols % QBLOCK == 0 && usable(w);
     if (ok) {
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
         {

@@ -13,6 +13,18 @@
    slower (perf-notes §12); a prefetch never faults, so reading past a matrix's end is harmless */
 #define PREFETCH_AHEAD 4096
 
+int kernel_abi(int64_t *out) {
+    static const int kinds[] = {SD_Q4_1, SD_Q8_0, SD_Q5_0, SD_Q5_1, SD_Q4_K, SD_Q5_K, SD_Q6_K};
+    int count = 0;
+    out[count++] = LANES;
+    out[count++] = QBLOCK;
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        out[count++] = kinds[i];
+        out[count++] = (int64_t)block_bytes(kinds[i]);
+    }
+    return count;
+}
+
 /* ---- activations ------------------------------------------------------------------------- */
 
 static void quantize_row(const float *x, int k, int8_t *q, float *d, int32_t *sum) {
@@ -58,10 +70,31 @@ void quantize_rows(const float *x, int rows, int ldx, act_q *a) {
 
 /* ---- matrix x activations ---------------------------------------------------------------- */
 
-/* out[r][0..16) = W[group g] . x[r0 + r] for nr <= ROW_TILE rows: a scale term and (Q4_1) an
- * offset term, each summed over blocks in order, added at the end. Several integer and float
- * accumulators keep the dependency chains short (one row alone, T = 1, is otherwise bound by
- * the latency of eight dependent dot instructions per block). */
+/* out[r][0..16) = W[group g] . x[r0 + r] for nr <= ROW_TILE rows. Per 32-element block b: s, the
+ * exact integer dot of the 16 lanes' unsigned integers u with the row's int8 block, then
+ *   acc_d += float(s) * (dw * dx[b])
+ *   acc_m += mw * (dx[b] * sum[b])          the offset kinds (Q4_1, Q5_1, Q4_K, Q5_K)
+ * dw, mw: the block's f16 d and m, or a K-quant sub-block's d * sc and -(dmin * m) (exact in
+ * float: an f16 times a 6-bit integer), the values GGUF's dequantization computes. The zero-point
+ * kinds take zero * sum[b] off s (Q8_0: 128, Q5_0: 16). Q6_K: s = sc0 (s0 - 32 sum0) + sc1 (s1 -
+ * 32 sum1) over the block's two sub-blocks of 16 (int8 scales; |s| < 2^24, exact in float), dw =
+ * the super-block's d. Each accumulator runs over the blocks in order; the two are added at the
+ * end. Several integer accumulators keep the dependency chains short (one row alone, T = 1, is
+ * otherwise bound by the latency of eight dependent dot instructions per block). A K-quant
+ * sub-block reloads its pair's nibble bytes from L1 rather than keep them in registers (faster). */
+
+/* the sum of 16 int8 activations (Q6_K's sub-blocks of 16; act_q has the sums per 32) */
+static inline int32_t sum16(const int8_t *q) {
+    __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q), _mm_set1_epi8((char)0x80));
+    __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());          /* two sums of 8 (q + 128) */
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
+/* the bytes of `len` weight bytes PREFETCH_AHEAD ahead of p, one prefetch per 64 */
+static inline void prefetch_ahead(const uint8_t *p, size_t len) {
+    for (size_t line = 0; line < len; line += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + line, _MM_HINT_T0);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline __m512i block_dot16(const __m512i *wv, const int8_t *q) {
     __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -73,43 +106,202 @@ static inline __m512i block_dot16(const __m512i *wv, const int8_t *q) {
     return _mm512_add_epi32(s[0], s[1]);
 }
 
-static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
-    int nb = w->cols / QBLOCK, q4 = w->type == SD_Q4_1;
-    size_t bb = block_bytes(w->type);
-    const uint8_t *blk = w->data + (size_t)g * nb * bb;
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 accd[ROW_TILE], accm[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; r++) accd[r] = accm[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += bb) {
-        for (size_t line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + line, _MM_HINT_T0);
+/* the dots of elements 0..15 (chunks 0..3) and 16..31 (chunks 4..7) apart */
+static inline void block_dot16_halves(const __m512i *wv, const int8_t *q, __m512i *s0, __m512i *s1) {
+    __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int c = 0; c < 8; c++) {
+        int32_t f;
+        memcpy(&f, q + 4 * c, 4);
+        s[(c >> 2) * 2 + (c & 1)] = _mm512_dpbusd_epi32(s[(c >> 2) * 2 + (c & 1)], wv[c], _mm512_set1_epi32(f));
+    }
+    *s0 = _mm512_add_epi32(s[0], s[1]);
+    *s1 = _mm512_add_epi32(s[2], s[3]);
+}
+
+static inline __m512i nib_lo(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static inline __m512i nib_hi(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+
+/* u += 16 where the bit plane says (the fifth bits of Q5_0, Q5_1, Q5_K) */
+static inline void add_planes(__m512i *wv, const uint8_t (*qh)[8]) {
+    const __m512i c16 = _mm512_set1_epi8(16);
+    for (int c = 0; c < 8; c++) {
+        __mmask64 k;
+        memcpy(&k, qh[c], 8);
+        wv[c] = _mm512_mask_add_epi8(wv[c], k, wv[c], c16);
+    }
+}
+
+/* the offset kinds' rows: w = dw u + mw over block b */
+static inline void rows_dm(const __m512i *wv, __m512 dw, __m512 mw, const act_q *a, int r0, int nr, int b,
+                           __m512 *accd, __m512 *accm) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        __m512i s = block_dot16(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        float dx = a->d[at];
+        accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)a->sum[at]), accm[r]);
+        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accd[r]);
+    }
+}
+
+/* the zero-point kinds' rows: w = dw (u - zero) over block b */
+static inline void rows_dz(const __m512i *wv, __m512 dw, int zero, const act_q *a, int r0, int nr, int b,
+                           __m512 *accd) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        __m512i s = block_dot16(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        float dx = a->d[at];
+        s = _mm512_sub_epi32(s, _mm512_set1_epi32(zero * a->sum[at]));
+        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accd[r]);
+    }
+}
+
+/* Q6_K's rows: w = dw sc0 (u - 32) over the first 16 elements of block b, dw sc1 (u - 32) over
+ * the last 16 */
+static inline void rows_q6(const __m512i *wv, __m512i sc0, __m512i sc1, __m512 dw, const act_q *a, int r0,
+                           int nr, int b, __m512 *accd) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        const int8_t *q = a->q + row * a->k + (size_t)b * QBLOCK;
+        __m512i s0, s1;
+        block_dot16_halves(wv, q, &s0, &s1);
+        int32_t lo = sum16(q), hi = a->sum[at] - lo;
+        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * lo));
+        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * hi));
+        __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
+        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[at])), accd[r]);
+    }
+}
+
+/* Q4_K / Q5_K's 8 sub-block scales and mins of 16 lanes: byte j of sc[j / 4] (min: mn[j / 4]) */
+static inline void unpack_k_scales(const uint32_t (*scales)[LANES], __m512i sc[2], __m512i mn[2]) {
+    __m512i w0 = _mm512_loadu_si512((const void *)scales[0]), w1 = _mm512_loadu_si512((const void *)scales[1]);
+    __m512i w2 = _mm512_loadu_si512((const void *)scales[2]);
+    const __m512i m6 = _mm512_set1_epi8(0x3f), m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    sc[0] = _mm512_and_si512(w0, m6);
+    mn[0] = _mm512_and_si512(w1, m6);
+    sc[1] = _mm512_or_si512(_mm512_and_si512(w2, m4), _mm512_and_si512(_mm512_srli_epi32(w0, 2), top));
+    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), m4), _mm512_and_si512(_mm512_srli_epi32(w1, 2), top));
+}
+
+static inline __m512 byte_as_float(__m512i v, int j) {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (j & 3)), _mm512_set1_epi32(0xff)));
+}
+
+typedef struct { __m512 d[ROW_TILE], m[ROW_TILE]; } acc16;
+
+static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, const act_q *a, int r0, int nr, acc16 *acc) {
+    const size_t bb = q4 ? sizeof(block_q4_1x16) : sizeof(block_q8_0x16);
+    __m512i wv[8];
+    for (int b = 0; b < nblk; b++, blk += bb) {
+        prefetch_ahead(blk, bb);
         const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
         const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q4 ? b4->d : b8->d)));
-        __m512 mw = _mm512_setzero_ps();
-        __m512i wv[8];
         if (q4) {
-            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b4->m));
+            __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b4->m));
             for (int c = 0; c < 4; c++) {
                 __m512i v = _mm512_loadu_si512((const void *)b4->qs[c]);
-                wv[c] = _mm512_and_si512(v, low);
-                wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                wv[c] = nib_lo(v);
+                wv[c + 4] = nib_hi(v);
             }
+            rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
         } else {
             for (int c = 0; c < 8; c++) wv[c] = _mm512_loadu_si512((const void *)b8->qs[c]);
-        }
-        for (int r = 0; r < nr; r++) {
-            size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-            __m512i s = block_dot16(wv, a->q + row * a->k + b * QBLOCK);
-            float dx = a->d[at];
-            if (q4) {
-                accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)a->sum[at]), accm[r]);
-            } else {
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->sum[at]));
-            }
-            accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accd[r]);
+            rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
         }
     }
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(accd[r], accm[r]));
+}
+
+static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, const act_q *a, int r0, int nr, acc16 *acc) {
+    const size_t bb = q51 ? sizeof(block_q5_1x16) : sizeof(block_q5_0x16);
+    __m512i wv[8];
+    for (int b = 0; b < nblk; b++, blk += bb) {
+        prefetch_ahead(blk, bb);
+        const block_q5_0x16 *b0 = (const block_q5_0x16 *)blk;
+        const block_q5_1x16 *b1 = (const block_q5_1x16 *)blk;
+        const uint8_t (*qs)[LANES][4] = q51 ? b1->qs : b0->qs;
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)qs[c]);
+            wv[c] = nib_lo(v);
+            wv[c + 4] = nib_hi(v);
+        }
+        add_planes(wv, q51 ? b1->qh : b0->qh);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q51 ? b1->d : b0->d)));
+        if (q51) rows_dm(wv, dw, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1->m)), a, r0, nr, b, acc->d, acc->m);
+        else rows_dz(wv, dw, 16, a, r0, nr, b, acc->d);
+    }
+}
+
+/* Q4_K / Q5_K: per super-block the 8 sub-blocks' d sc and -dmin m first, then the sub-blocks */
+static inline void k_blocks(const uint8_t *blk, int nblk, int q5, const act_q *a, int r0, int nr, acc16 *acc) {
+    const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
+    __m512i wv[8];
+    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+        const block_q4_Kx16 *k4 = (const block_q4_Kx16 *)blk;
+        const block_q5_Kx16 *k5 = (const block_q5_Kx16 *)blk;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q5 ? k5->d : k4->d)));
+        __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q5 ? k5->dmin : k4->dmin))));
+        __m512i sc[2], mn[2];
+        unpack_k_scales(q5 ? k5->scales : k4->scales, sc, mn);
+        const uint8_t (*qs)[QBLOCK / 4][LANES][4] = q5 ? k5->qs : k4->qs;
+#pragma GCC unroll 8
+        for (int j = 0; j < QK_K / QBLOCK; j++) {
+            prefetch_ahead(blk + j * (bb / 8), bb / 8);
+            if (j & 1)
+                for (int c = 0; c < 8; c++) wv[c] = nib_hi(_mm512_loadu_si512((const void *)qs[j >> 1][c]));
+            else
+                for (int c = 0; c < 8; c++) wv[c] = nib_lo(_mm512_loadu_si512((const void *)qs[j >> 1][c]));
+            if (q5) add_planes(wv, k5->qh[j]);
+            __m512 dw = _mm512_mul_ps(d, byte_as_float(sc[j >> 2], j));
+            __m512 mw = _mm512_mul_ps(nmin, byte_as_float(mn[j >> 2], j));
+            rows_dm(wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc->d, acc->m);
+        }
+    }
+}
+
+static inline void q6_blocks(const uint8_t *blk, int nblk, const act_q *a, int r0, int nr, acc16 *acc) {
+    const size_t bb = sizeof(block_q6_Kx16);
+    const __m512i top = _mm512_set1_epi8(0x30);
+    __m512i wv[8];
+    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+        const block_q6_Kx16 *k6 = (const block_q6_Kx16 *)blk;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k6->d));
+#pragma GCC unroll 8
+        for (int b = 0; b < QK_K / QBLOCK; b++) {
+            prefetch_ahead(blk + b * (bb / 8), bb / 8);
+            for (int half = 0; half < 2; half++) {
+                __m512i hv = _mm512_loadu_si512((const void *)k6->qh[b][half]);
+                __m512i hb[4] = {_mm512_slli_epi16(hv, 4), _mm512_slli_epi16(hv, 2), hv, _mm512_srli_epi16(hv, 2)};
+                for (int k = 0; k < 4; k++) {
+                    int c = 4 * half + k;
+                    __m512i v = _mm512_loadu_si512((const void *)k6->ql[b >> 1][c]);
+                    wv[c] = _mm512_or_si512(b & 1 ? nib_hi(v) : nib_lo(v), _mm512_and_si512(hb[k], top));
+                }
+            }
+            __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k6->scales[2 * b]));
+            __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k6->scales[2 * b + 1]));
+            rows_q6(wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc->d);
+        }
+    }
+}
+
+static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
+    const int type = w->type, nblk = w->cols / block_elems(type);
+    const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
+    acc16 acc;
+    for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = _mm512_setzero_ps();
+    switch (type) {
+    case SD_Q4_1: q4q8_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
+    case SD_Q8_0: q4q8_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
+    case SD_Q5_0: q5_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
+    case SD_Q5_1: q5_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
+    case SD_Q4_K: k_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
+    case SD_Q5_K: k_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
+    case SD_Q6_K: q6_blocks(blk, nblk, a, r0, nr, &acc); break;
+    default: break;
+    }
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(acc.d[r], acc.m[r]));
 }
 #else
 /* acc + the 8 sums of 4 products u8 x s8 */
@@ -145,45 +337,210 @@ static inline __m256i block_dot8(const __m256i *wv, const int8_t *q) {
     return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
 }
 
-static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
-    int nb = w->cols / QBLOCK, q4 = w->type == SD_Q4_1;
-    size_t bb = block_bytes(w->type);
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int half = 0; half < 2; half++) {            /* lanes 0..7, then 8..15 */
-        const uint8_t *blk = w->data + (size_t)g * nb * bb;
-        __m256 accd[ROW_TILE], accm[ROW_TILE];
-        for (int r = 0; r < ROW_TILE; r++) accd[r] = accm[r] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++, blk += bb) {
-            if (half == 0)
-                for (size_t line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + line, _MM_HINT_T0);
-            const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
-            const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
-            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q4 ? b4->d : b8->d) + HALF * half)));
-            __m256 mw = _mm256_setzero_ps();
-            __m256i wv[8];
-            if (q4) {
-                mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b4->m + HALF * half)));
-                for (int c = 0; c < 4; c++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)b4->qs[c][HALF * half]);
-                    wv[c] = _mm256_and_si256(v, low);
-                    wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                }
-            } else {
-                for (int c = 0; c < 8; c++) wv[c] = _mm256_loadu_si256((const __m256i *)b8->qs[c][HALF * half]);
+/* the dots of elements 0..15 (chunks 0..3) and 16..31 (chunks 4..7) apart */
+static inline void block_dot8_halves(const __m256i *wv, const int8_t *q, __m256i *s0, __m256i *s1) {
+    __m256i s[4];
+    for (int c = 0; c < 2; c++) {
+        int32_t f0, f1, f2, f3;
+        memcpy(&f0, q + 4 * c, 4);
+        memcpy(&f1, q + 4 * (c + 2), 4);
+        memcpy(&f2, q + 4 * (c + 4), 4);
+        memcpy(&f3, q + 4 * (c + 6), 4);
+        s[c] = dot4(dot4(_mm256_setzero_si256(), wv[c], _mm256_set1_epi32(f0)), wv[c + 2], _mm256_set1_epi32(f1));
+        s[c + 2] = dot4(dot4(_mm256_setzero_si256(), wv[c + 4], _mm256_set1_epi32(f2)), wv[c + 6], _mm256_set1_epi32(f3));
+    }
+    *s0 = _mm256_add_epi32(s[0], s[1]);
+    *s1 = _mm256_add_epi32(s[2], s[3]);
+}
+
+static inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+static inline __m256i nib_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+
+/* u += 16 where half `half` of the bit plane says: bit p of the plane's 32-bit half -> byte p */
+static inline void add_planes(__m256i *wv, const uint8_t (*qh)[8], int half) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int c = 0; c < 8; c++) {
+        int32_t bits;
+        memcpy(&bits, qh[c] + 4 * half, 4);
+        __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread);
+        v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+        wv[c] = _mm256_or_si256(wv[c], _mm256_and_si256(v, _mm256_set1_epi8(16)));
+    }
+}
+
+static inline void rows_dm(const __m256i *wv, __m256 dw, __m256 mw, const act_q *a, int r0, int nr, int b,
+                           __m256 *accd, __m256 *accm) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        __m256i s = block_dot8(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        float dx = a->d[at];
+        accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * (float)a->sum[at]), accm[r]);
+        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), accd[r]);
+    }
+}
+
+static inline void rows_dz(const __m256i *wv, __m256 dw, int zero, const act_q *a, int r0, int nr, int b,
+                           __m256 *accd) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        __m256i s = block_dot8(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        float dx = a->d[at];
+        s = _mm256_sub_epi32(s, _mm256_set1_epi32(zero * a->sum[at]));
+        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), accd[r]);
+    }
+}
+
+static inline void rows_q6(const __m256i *wv, __m256i sc0, __m256i sc1, __m256 dw, const act_q *a, int r0,
+                           int nr, int b, __m256 *accd) {
+    for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
+        const int8_t *q = a->q + row * a->k + (size_t)b * QBLOCK;
+        __m256i s0, s1;
+        block_dot8_halves(wv, q, &s0, &s1);
+        int32_t lo = sum16(q), hi = a->sum[at] - lo;
+        s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * lo));
+        s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * hi));
+        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[at])), accd[r]);
+    }
+}
+
+static inline void unpack_k_scales(const uint32_t (*scales)[LANES], int half, __m256i sc[2], __m256i mn[2]) {
+    __m256i w0 = _mm256_loadu_si256((const __m256i *)(scales[0] + HALF * half));
+    __m256i w1 = _mm256_loadu_si256((const __m256i *)(scales[1] + HALF * half));
+    __m256i w2 = _mm256_loadu_si256((const __m256i *)(scales[2] + HALF * half));
+    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    sc[0] = _mm256_and_si256(w0, m6);
+    mn[0] = _mm256_and_si256(w1, m6);
+    sc[1] = _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
+    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
+}
+
+static inline __m256 byte_as_float(__m256i v, int j) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (j & 3)), _mm256_set1_epi32(0xff)));
+}
+
+typedef struct { __m256 d[ROW_TILE], m[ROW_TILE]; } acc8;
+
+/* each over one half of a group (lanes lane0 .. lane0+7); half 0 prefetches */
+static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+    const size_t bb = q4 ? sizeof(block_q4_1x16) : sizeof(block_q8_0x16);
+    const int lane0 = HALF * half;
+    __m256i wv[8];
+    for (int b = 0; b < nblk; b++, blk += bb) {
+        if (half == 0) prefetch_ahead(blk, bb);
+        const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
+        const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q4 ? b4->d : b8->d) + lane0)));
+        if (q4) {
+            __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b4->m + lane0)));
+            for (int c = 0; c < 4; c++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)b4->qs[c][lane0]);
+                wv[c] = nib_lo(v);
+                wv[c + 4] = nib_hi(v);
             }
-            for (int r = 0; r < nr; r++) {
-                size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-                __m256i s = block_dot8(wv, a->q + row * a->k + b * QBLOCK);
-                float dx = a->d[at];
-                if (q4) {
-                    accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * (float)a->sum[at]), accm[r]);
-                } else {
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * a->sum[at]));
-                }
-                accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), accd[r]);
-            }
+            rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
+        } else {
+            for (int c = 0; c < 8; c++) wv[c] = _mm256_loadu_si256((const __m256i *)b8->qs[c][lane0]);
+            rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
         }
-        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + HALF * half, _mm256_add_ps(accd[r], accm[r]));
+    }
+}
+
+static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+    const size_t bb = q51 ? sizeof(block_q5_1x16) : sizeof(block_q5_0x16);
+    const int lane0 = HALF * half;
+    __m256i wv[8];
+    for (int b = 0; b < nblk; b++, blk += bb) {
+        if (half == 0) prefetch_ahead(blk, bb);
+        const block_q5_0x16 *b0 = (const block_q5_0x16 *)blk;
+        const block_q5_1x16 *b1 = (const block_q5_1x16 *)blk;
+        const uint8_t (*qs)[LANES][4] = q51 ? b1->qs : b0->qs;
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)qs[c][lane0]);
+            wv[c] = nib_lo(v);
+            wv[c + 4] = nib_hi(v);
+        }
+        add_planes(wv, q51 ? b1->qh : b0->qh, half);
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q51 ? b1->d : b0->d) + lane0)));
+        if (q51) rows_dm(wv, dw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b1->m + lane0))), a, r0, nr, b, acc->d, acc->m);
+        else rows_dz(wv, dw, 16, a, r0, nr, b, acc->d);
+    }
+}
+
+static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+    const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
+    const int lane0 = HALF * half;
+    __m256i wv[8];
+    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+        const block_q4_Kx16 *k4 = (const block_q4_Kx16 *)blk;
+        const block_q5_Kx16 *k5 = (const block_q5_Kx16 *)blk;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q5 ? k5->d : k4->d) + lane0)));
+        __m256 nmin = _mm256_sub_ps(_mm256_setzero_ps(),
+                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q5 ? k5->dmin : k4->dmin) + lane0))));
+        __m256i sc[2], mn[2];
+        unpack_k_scales(q5 ? k5->scales : k4->scales, half, sc, mn);
+        const uint8_t (*qs)[QBLOCK / 4][LANES][4] = q5 ? k5->qs : k4->qs;
+#pragma GCC unroll 8
+        for (int j = 0; j < QK_K / QBLOCK; j++) {
+            if (half == 0) prefetch_ahead(blk + j * (bb / 8), bb / 8);
+            if (j & 1)
+                for (int c = 0; c < 8; c++) wv[c] = nib_hi(_mm256_loadu_si256((const __m256i *)qs[j >> 1][c][lane0]));
+            else
+                for (int c = 0; c < 8; c++) wv[c] = nib_lo(_mm256_loadu_si256((const __m256i *)qs[j >> 1][c][lane0]));
+            if (q5) add_planes(wv, k5->qh[j], half);
+            __m256 dw = _mm256_mul_ps(d, byte_as_float(sc[j >> 2], j));
+            __m256 mw = _mm256_mul_ps(nmin, byte_as_float(mn[j >> 2], j));
+            rows_dm(wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc->d, acc->m);
+        }
+    }
+}
+
+static inline void q6_blocks(const uint8_t *blk, int nblk, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+    const size_t bb = sizeof(block_q6_Kx16);
+    const int lane0 = HALF * half;
+    const __m256i top = _mm256_set1_epi8(0x30);
+    __m256i wv[8];
+    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+        const block_q6_Kx16 *k6 = (const block_q6_Kx16 *)blk;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k6->d + lane0)));
+#pragma GCC unroll 8
+        for (int b = 0; b < QK_K / QBLOCK; b++) {
+            if (half == 0) prefetch_ahead(blk + b * (bb / 8), bb / 8);
+            for (int hh = 0; hh < 2; hh++) {
+                __m256i hv = _mm256_loadu_si256((const __m256i *)k6->qh[b][hh][lane0]);
+                __m256i hb[4] = {_mm256_slli_epi16(hv, 4), _mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 2)};
+                for (int k = 0; k < 4; k++) {
+                    int c = 4 * hh + k;
+                    __m256i v = _mm256_loadu_si256((const __m256i *)k6->ql[b >> 1][c][lane0]);
+                    wv[c] = _mm256_or_si256(b & 1 ? nib_hi(v) : nib_lo(v), _mm256_and_si256(hb[k], top));
+                }
+            }
+            __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k6->scales[2 * b] + lane0)));
+            __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k6->scales[2 * b + 1] + lane0)));
+            rows_q6(wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc->d);
+        }
+    }
+}
+
+static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
+    const int type = w->type, nblk = w->cols / block_elems(type);
+    const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
+    for (int half = 0; half < 2; half++) {            /* lanes 0..7, then 8..15 */
+        acc8 acc;
+        for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = _mm256_setzero_ps();
+        switch (type) {
+        case SD_Q4_1: q4q8_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
+        case SD_Q8_0: q4q8_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
+        case SD_Q5_0: q5_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
+        case SD_Q5_1: q5_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
+        case SD_Q4_K: k_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
+        case SD_Q5_K: k_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
+        case SD_Q6_K: q6_blocks(blk, nblk, half, a, r0, nr, &acc); break;
+        default: break;
+        }
+        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + HALF * half, _mm256_add_ps(acc.d[r], acc.m[r]));
     }
 }
 #endif
@@ -210,23 +567,94 @@ void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int
     }
 }
 
+/* bit (4 lane + e) of bit plane `plane`: the fifth bit of element 4c+e */
+static inline int plane_bit(const uint8_t *plane, int lane, int e) {
+    int p = 4 * lane + e;
+    return (plane[p >> 3] >> (p & 7)) & 1;
+}
+
+/* Q4_K / Q5_K sub-block j's 6-bit scale and min of one lane (the GGUF's packing, kernels.h) */
+static inline void k_scale_min(const uint32_t (*scales)[LANES], int lane, int j, int *sc, int *mn) {
+    uint8_t s[12];
+    for (int w = 0; w < 3; w++) memcpy(s + 4 * w, &scales[w][lane], 4);
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Each value as GGUF's dequantization computes it in float32 (gguf.quants, ggml-quants.c):
+ * Q4_1/Q5_1 d u + m; Q8_0/Q5_0 d (u - zero); Q4_K/Q5_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32). */
 void dequant_row(const sd_matrix *w, int n, float *out) {
-    int g = n / LANES, lane = n % LANES, nb = w->cols / QBLOCK;
-    for (int b = 0; b < nb; b++, out += QBLOCK) {
-        if (w->type == SD_Q4_1) {
-            const block_q4_1x16 *blk = (const block_q4_1x16 *)w->data + (size_t)g * nb + b;
-            float d = _cvtsh_ss(blk->d[lane]), m = _cvtsh_ss(blk->m[lane]);
+    const int type = w->type, g = n / LANES, lane = n % LANES, nblk = w->cols / block_elems(type);
+    const uint8_t *base = w->data + (size_t)g * nblk * block_bytes(type);
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *blk = base + (size_t)b * block_bytes(type);
+        if (type == SD_Q4_1) {
+            const block_q4_1x16 *B = (const block_q4_1x16 *)blk;
+            float d = _cvtsh_ss(B->d[lane]), m = _cvtsh_ss(B->m[lane]);
             for (int j = 0; j < QBLOCK; j++) {
-                uint8_t byte = blk->qs[(j % 16) / 4][lane][j % 4];
+                uint8_t byte = B->qs[(j % 16) / 4][lane][j % 4];
                 int u = j < 16 ? (byte & 15) : (byte >> 4);
-                out[j] = d * (float)u + m;
+                *out++ = d * (float)u + m;
             }
-        } else {
-            const block_q8_0x16 *blk = (const block_q8_0x16 *)w->data + (size_t)g * nb + b;
-            float d = _cvtsh_ss(blk->d[lane]);
-            for (int j = 0; j < QBLOCK; j++) out[j] = d * (float)((int)blk->qs[j / 4][lane][j % 4] - 128);
+        } else if (type == SD_Q8_0) {
+            const block_q8_0x16 *B = (const block_q8_0x16 *)blk;
+            float d = _cvtsh_ss(B->d[lane]);
+            for (int j = 0; j < QBLOCK; j++) *out++ = d * (float)((int)B->qs[j / 4][lane][j % 4] - 128);
+        } else if (type == SD_Q5_0 || type == SD_Q5_1) {
+            const block_q5_0x16 *B0 = (const block_q5_0x16 *)blk;
+            const block_q5_1x16 *B1 = (const block_q5_1x16 *)blk;
+            const int q51 = type == SD_Q5_1;
+            const uint8_t (*qs)[LANES][4] = q51 ? B1->qs : B0->qs;
+            const uint8_t (*qh)[8] = q51 ? B1->qh : B0->qh;
+            float d = _cvtsh_ss(q51 ? B1->d[lane] : B0->d[lane]), m = q51 ? _cvtsh_ss(B1->m[lane]) : 0.0f;
+            for (int j = 0; j < QBLOCK; j++) {
+                uint8_t byte = qs[(j % 16) / 4][lane][j % 4];
+                int u = (j < 16 ? (byte & 15) : (byte >> 4)) | plane_bit(qh[j / 4], lane, j % 4) << 4;
+                *out++ = q51 ? d * (float)u + m : d * (float)(u - 16);
+            }
+        } else if (type == SD_Q4_K || type == SD_Q5_K) {
+            const block_q4_Kx16 *K4 = (const block_q4_Kx16 *)blk;
+            const block_q5_Kx16 *K5 = (const block_q5_Kx16 *)blk;
+            const int q5 = type == SD_Q5_K;
+            float d = _cvtsh_ss(q5 ? K5->d[lane] : K4->d[lane]), dmin = _cvtsh_ss(q5 ? K5->dmin[lane] : K4->dmin[lane]);
+            const uint8_t (*qs)[QBLOCK / 4][LANES][4] = q5 ? K5->qs : K4->qs;
+            for (int j = 0; j < QK_K / QBLOCK; j++) {
+                int sc, mn;
+                k_scale_min(q5 ? K5->scales : K4->scales, lane, j, &sc, &mn);
+                float d1 = d * (float)sc, m1 = dmin * (float)mn;
+                for (int l = 0; l < QBLOCK; l++) {
+                    uint8_t byte = qs[j / 2][l / 4][lane][l % 4];
+                    int u = j & 1 ? byte >> 4 : byte & 15;
+                    if (q5) u |= plane_bit(K5->qh[j][l / 4], lane, l % 4) << 4;
+                    *out++ = d1 * (float)u - m1;
+                }
+            }
+        } else if (type == SD_Q6_K) {
+            const block_q6_Kx16 *K6 = (const block_q6_Kx16 *)blk;
+            float d = _cvtsh_ss(K6->d[lane]);
+            for (int bq = 0; bq < QK_K / QBLOCK; bq++)
+                for (int l = 0; l < QBLOCK; l++) {
+                    int c = l / 4, e = l % 4;
+                    uint8_t byte = K6->ql[bq / 2][c][lane][e];
+                    int u = (bq & 1 ? byte >> 4 : byte & 15) | ((K6->qh[bq][c / 4][lane][e] >> (2 * (c % 4))) & 3) << 4;
+                    float d1 = d * (float)K6->scales[2 * bq + l / 16][lane];
+                    *out++ = d1 * (float)(u - 32);
+                }
         }
     }
+}
+
+/* out [w->cols] = row n of w, dequantized: dequant_row alone, exported for the tests (the
+ * library's entry points are otherwise forward.c's); -1 for a row or kind it does not have */
+int sd_dequant_row(const sd_matrix *w, int n, float *out) {
+    if (n < 0 || n >= w->rows || block_bytes(w->type) == 0 || w->cols % block_elems(w->type)) return -1;
+    dequant_row(w, n, out);
+    return 0;
 }
 
 /* ---- elementwise ------------------------------------------------------------------------- */
@@ -265,6 +693,70 @@ void rope(float *v, int heads, int d, const float *cos, const float *sin) {
             float x1 = x[i], x2 = x[i + half];
             x[i] = x1 * cos[i] - x2 * sin[i];
             x[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+    }
+}
+
+/* x [rows, h] += t / rms(t) * w (Gemma's norms after attention and MLP) */
+void add_normed_rows(const float *t, int rows, int h, const float *w, float eps, float *x) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *tr = t + (size_t)r * h;
+        float *xr = x + (size_t)r * h;
+        __m256 ss = _mm256_setzero_ps();
+        for (int j = 0; j < h; j += 8) {
+            __m256 v = _mm256_loadu_ps(tr + j);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        float inv = 1.0f / sqrtf(hsum8(ss) / (float)h + eps);
+        for (int j = 0; j < h; j++) xr[j] = xr[j] + (tr[j] * inv) * w[j];
+    }
+}
+
+void rmsnorm_heads(float *v, int heads, int d, const float *w, float eps) {
+    for (int hh = 0; hh < heads; hh++) {
+        float *x = v + (size_t)hh * d;
+        __m256 ss = _mm256_setzero_ps();
+        for (int j = 0; j < d; j += 8) {
+            __m256 e = _mm256_loadu_ps(x + j);
+            ss = _mm256_fmadd_ps(e, e, ss);
+        }
+        float inv = 1.0f / sqrtf(hsum8(ss) / (float)d + eps);
+        for (int j = 0; j < d; j++) x[j] = (x[j] * inv) * w[j];
+    }
+}
+
+void scale_rows(float *x, int rows, int h, float s) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < h; j++) x[(size_t)r * h + j] *= s;
+}
+
+void softcap_rows(float *y, int rows, int n, int ld, float cap) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *yr = y + (size_t)r * ld;
+        int j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_set1_ps(cap),
+                             tanh8(_mm256_div_ps(_mm256_loadu_ps(yr + j), _mm256_set1_ps(cap)))));
+        for (; j < n; j++) yr[j] = cap * tanhf(yr[j] / cap);
+    }
+}
+
+void geglu_rows(const float *gu, int rows, int inter, float *out) {
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f), half = _mm256_set1_ps(0.5f);
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gu + (size_t)r * 2 * inter, *u = g + inter;
+        float *o = out + (size_t)r * inter;
+        for (int j = 0; j < inter; j += 8) {
+            __m256 x = _mm256_loadu_ps(g + j);
+            /* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+            __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            __m256 inner = _mm256_mul_ps(c, _mm256_add_ps(x, _mm256_mul_ps(k, x3)));
+            __m256 gl = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(inner)));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(gl, _mm256_loadu_ps(u + j)));
         }
     }
 }

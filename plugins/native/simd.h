@@ -38,4 +38,12 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_mask, p);
 }
 
+/* tanh(x) = sign(x) (1 - t) / (1 + t), t = exp(-2|x|) (GeGLU's tanh GELU, logit soft-caps) */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 t = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, x)));
+    __m256 r = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), t), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+    return _mm256_or_ps(r, _mm256_and_ps(sign, x));
+}
+
 #endif

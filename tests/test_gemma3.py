@@ -1,0 +1,163 @@
+"""Gemma-3's layer on every CPU runtime, from a tiny random-weight checkpoint made with
+transformers' own classes (conftest.make_tiny_checkpoint "gemma3": a sliding window of 6, shorter
+than the prompts; sliding and full layers with their own rope bases; q/k norms; norms after
+attention and MLP; GeGLU; a scaled embedding; q's scale from query_pre_attn_scalar; random norm
+weights, so the (1 + w) conversion matters).
+
+The model description (manifest.ModelConfig) is what every engine reads; these tests hold each
+engine to transformers: the ONNX fp32 graph within 1e-4 (prefill past the window, incremental
+decode, every branch of a tree), the 4-bit and native engines within their quantization, and
+every engine bitwise batch-invariant, with greedy speculation identical to plain decoding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backend.build.checkpoint import load_checkpoint
+from backend.build.pipeline import BuildConfig, build
+from backend.devices import load_runtime
+from backend.manifest import EngineManifest, ModelConfig, WeightFormat
+from conftest import assert_greedy_identity, chain, make_tiny_checkpoint, spec_decoder
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma3")
+    ckpt = make_tiny_checkpoint(d / "ckpt", "gemma3", layers=3)
+    m = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, measure_costs=False,
+                          weights=(WeightFormat.FP32, WeightFormat.Q4, WeightFormat.GGUF), drafts=("self:1",)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    return m, hf
+
+
+def hf_logits(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([list(map(int, ids))])).logits[0].numpy()
+
+
+def rel(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def prefill(rt, sid, ids) -> np.ndarray:
+    rt.alloc(sid)
+    out = rt.forward([sid], np.asarray(ids, np.int64)[None], chain(len(ids)), np.arange(len(ids))[None])
+    logits = out.logits[0].copy()
+    rt.commit([sid], [np.arange(len(ids))])
+    return logits
+
+
+def test_description_read_from_the_checkpoint(gemma):
+    m, hf = gemma
+    c = m.model
+    assert (c.architecture, c.activation, c.qk_norm, c.post_norms) == ("gemma3", "gelu_tanh", True, True)
+    assert c.sliding_window == WINDOW and c.layer_types == ("sliding", "full", "sliding")
+    assert [c.window(i) for i in range(3)] == [WINDOW, 0, WINDOW]
+    assert c.rope_local_theta == 10000.0 and c.rope_theta == 1e6 and c.local_rope(0) and not c.local_rope(1)
+    assert c.embed_scale == pytest.approx(8.0) and c.scale == pytest.approx(24 ** -0.5)
+    assert ModelConfig.from_json(c.to_json()) == c
+    # the norms are stored plain: the checkpoint's (1 + w) became w + 1
+    ck = load_checkpoint(m.source)
+    w = hf.model.layers[0].self_attn.q_norm.weight.detach().numpy()
+    np.testing.assert_allclose(ck.tensor("layers.0.q_norm").float32(), w + 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt,tol", [("fp32", 1e-4), ("q4", 0.6), ("gguf", 0.15)])
+def test_prefill_past_the_window_matches_transformers(gemma, fmt, tol):
+    m, hf = gemma
+    ids = np.random.default_rng(1).integers(3, m.model.vocab_size, 4 * WINDOW + 3)
+    rt = load_runtime(m, fmt)
+    got = prefill(rt, 1, ids)
+    ref = hf_logits(hf, ids)
+    assert rel(got, ref) < tol, (fmt, rel(got, ref))
+    if fmt == "fp32":
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+    rt.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "gguf"])
+def test_incremental_decode_and_tree_branches(gemma, fmt):
+    """Decode steps past the window equal transformers' full forward; every branch of a tree
+    verified in one forward equals that branch decoded alone (bitwise) and transformers (fp32 to
+    1e-4): the window is counted along each node's own path."""
+    from backend.tree import TokenTree
+
+    m, hf = gemma
+    rng = np.random.default_rng(2)
+    ids = list(rng.integers(3, m.model.vocab_size, 3 * WINDOW))
+    rt = load_runtime(m, fmt)
+    prefill(rt, 10, ids[:WINDOW])
+    ref = hf_logits(hf, ids)
+    for i in range(WINDOW, len(ids)):
+        out = rt.forward([10], np.array([[ids[i]]]), chain(1), np.zeros((1, 1), np.int64))
+        if fmt == "fp32":
+            assert rel(out.logits[0, 0], ref[i]) < 1e-4, i
+        else:
+            assert out.logits[0, 0].argmax() == ref[i].argmax() or rel(out.logits[0, 0], ref[i]) < 0.15, i
+        rt.commit([10], [np.array([0])])
+    rt.free(10)
+
+    prefix = list(rng.integers(3, m.model.vocab_size, 2 * WINDOW - 1))
+    tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0],
+                                   [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
+    tokens = rng.integers(3, m.model.vocab_size, tree.num_nodes)
+    prefill(rt, 20, prefix)
+    out = rt.forward([20], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None])
+    tree_logits = out.logits[0].copy()
+    rt.commit([20], [np.array([0])])
+    rt.free(20)
+    for b, path in enumerate(tree.paths):
+        path = path[path >= 0]
+        branch = prefix + list(tokens[path])
+        alone = prefill(rt, 30 + b, branch)[len(prefix):]
+        rt.free(30 + b)
+        np.testing.assert_array_equal(tree_logits[path], alone)
+        if fmt == "fp32":
+            assert rel(tree_logits[path], hf_logits(hf, branch)[len(prefix):]) < 1e-4
+    rt.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4", "gguf"])
+def test_greedy_speculation_is_plain(gemma, fmt):
+    m, _ = gemma
+    for kind in ("prompt-lookup", "draft-model"):         # the draft model: self:1, the first layer
+        assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4), kind)
+
+
+def test_manifest_round_trip(gemma):
+    m, _ = gemma
+    again = EngineManifest.load(m.root)
+    assert again.model == m.model and again.engine("gguf").batch_invariant
+
+
+def test_gpu_devices_refuse_what_they_do_not_implement(tmp_path):
+    """Every engine implements Gemma-3's layer now (the GPU devices: tests/test_gemma3_gpu_path.py),
+    but none the attention-score soft-cap (Gemma-2's attn_logit_softcapping): a checkpoint that
+    uses it is refused for cuda and tensorrt before anything is written, naming what is missing
+    (and the CLI prints that line and exits 2: backend.errors.UserError); the other backends
+    would refuse it the same way."""
+    import json
+
+    from backend.build.pipeline import BuildError
+    from backend.devices import BACKENDS
+    from backend.manifest import Device
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3", layers=2)
+    gemma = load_checkpoint(ckpt).config
+    assert all(b.unsupported(gemma) == [] for b in BACKENDS), {b.name: b.unsupported(gemma) for b in BACKENDS}
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = 50.0
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert load_checkpoint(ckpt).config.attn_logit_softcap == 50.0
+    assert all(b.unsupported(load_checkpoint(ckpt).config) == ["attn_logit_softcap"] for b in BACKENDS)
+    for device in (Device.CUDA, Device.TENSORRT):
+        with pytest.raises(BuildError, match=r"gemma3 on --device .* do not implement attn_logit_softcap"):
+            build(BuildConfig(target=str(ckpt), output=tmp_path / device.value, device=device, quiet=True,
+                              measure_costs=False))
+        assert not (tmp_path / device.value / "specdec").exists()
