@@ -100,7 +100,8 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
         kp.add(plain)
         ks.add(spec)
         p_tps, s_tps = len(plain.tokens) / plain.seconds, len(spec.tokens) / spec.seconds
-        row = {"id": item["id"], "kind": item["kind"], "speedup": round(s_tps / p_tps, 3),
+        # a base model may end a prompt at once (EOS first; --ignore-eos measures a fixed length)
+        row = {"id": item["id"], "kind": item["kind"], "speedup": round(s_tps / p_tps, 3) if p_tps else None,
                "mean_accepted_tokens": round(spec.stats.mean_accepted_tokens, 3),
                "acceptance_rate": round(spec.stats.acceptance_rate, 3),
                "identical_to_plain": (spec.tokens == plain.tokens) if temperature == 0 else None,
@@ -108,7 +109,7 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
                "tokens": len(spec.tokens), "prompt_tokens": len(ids)}
         rows.append(row)
         log(f"{item['id']:24s} {item['kind']:10s} plain {p_tps:6.1f} tok/s  spec {s_tps:6.1f} tok/s  "
-            f"x{row['speedup']:.2f}  E[tau] {row['mean_accepted_tokens']:.2f}  "
+            f"x{row['speedup'] or 0:.2f}  E[tau] {row['mean_accepted_tokens']:.2f}  "
             f"identical={row['identical_to_plain']}")
     result = {
         "drafter": drafter.value, "prompt_format": fmt, "max_new_tokens": max_new_tokens,
