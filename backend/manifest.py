@@ -148,13 +148,38 @@ class EngineFile:
 
 @dataclass(frozen=True)
 class DraftEntry:
-    """A drafter that needs files: a separate draft model, a self-draft or an EAGLE head."""
+    """A drafter that needs files: a separate draft model, a self-draft, an EAGLE head, Medusa
+    heads, or a registered kind's (backend/draft_kinds). Typed fields for what the runtimes and
+    drafters read; `head` is a head's own configuration as its format defines it."""
 
-    kind: str                 # "model" | "self" | "eagle"
+    kind: str                 # "model" | "self" | "eagle" | "medusa" | a registered kind's entry kind
     path: str                 # engine file (relative), or head directory
     num_layers: int = 0
     source: str = ""          # where it came from (checkpoint path or head dir)
-    extra: dict = field(default_factory=dict)
+    weights: str | None = None            # its engine's weight format; None: the manifest's default
+    pad_single_token: bool = False        # its engine runs T=1 steps as T=2 (EngineFile's)
+    model: ModelConfig | None = None      # a separate draft model's own description
+    head: dict | None = None              # a head's configuration (EAGLE: its config.json without
+                                          # training history; Medusa: num_heads, num_layers)
+    vocab_path: str | None = None         # EAGLE: draft vocabulary -> target ids (.npy, relative)
+    fc_path: str | None = None            # EAGLE-3: the fc over the target's features (.npy, relative)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """An EAGLE head's vocabulary (its LM head's rows)."""
+        return int(self.head["draft_vocab_size"])
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_json() if self.model else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DraftEntry":
+        d = dict(d)
+        if d.get("model"):
+            d["model"] = ModelConfig.from_json(d["model"])
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -199,7 +224,7 @@ class EngineManifest:
             "chat_template": self.chat_template,
             "source": self.source,
             "tool_versions": self.tool_versions,
-            "drafts": {k: dataclasses.asdict(v) for k, v in self.drafts.items()},
+            "drafts": {k: v.to_json() for k, v in self.drafts.items()},
             "cost_model": self.cost_model,
             "gpu": self.gpu,
             "source_bytes_per_token": self.source_bytes_per_token,
@@ -237,7 +262,7 @@ class EngineManifest:
             chat_template=d.get("chat_template"),
             source=d.get("source", ""),
             tool_versions=d.get("tool_versions", {}),
-            drafts={k: DraftEntry(**v) for k, v in d.get("drafts", {}).items()},
+            drafts={k: DraftEntry.from_json(v) for k, v in d.get("drafts", {}).items()},
             cost_model=d.get("cost_model"),
             gpu=d.get("gpu"),
             source_bytes_per_token=d.get("source_bytes_per_token"),

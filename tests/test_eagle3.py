@@ -118,7 +118,7 @@ def test_target_engines_output_the_inputs_of_the_head_s_layers(built):
 
     m, ckpt, _ = built
     ef = m.engine()
-    assert ef.feature_layers == (2, 3, 3) and m.drafts["eagle"].extra["layout"] == "eagle3"
+    assert ef.feature_layers == (2, 3, 3) and m.drafts["eagle"].head["layout"] == "eagle3"
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 19)
     with torch.no_grad():

@@ -101,7 +101,7 @@ def test_a_published_eagle_head_computes_what_its_reference_computes(built):
     from backend.devices import load_runtime
 
     m, ckpt, state = built
-    assert m.drafts["eagle"].extra["layout"] == "eagle" and m.drafts["eagle"].extra["norms"] == []
+    assert m.drafts["eagle"].head["layout"] == "eagle" and m.drafts["eagle"].head["norms"] == []
     ids = np.random.default_rng(0).integers(3, m.model.vocab_size, 17)
     target = load_runtime(m)
     target.alloc(0)

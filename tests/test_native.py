@@ -119,9 +119,9 @@ def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_p
 
     m, ckpt, _ = tiny
     d = m.drafts["eagle"]
-    assert d.extra["weights"] == "gguf" and d.path.endswith(".bin")
+    assert d.weights == "gguf" and d.path.endswith(".bin")
     path, _ = export_eagle_head(Path(d.source), load_checkpoint(ckpt), tmp_path, m.max_seq_len)
-    cfg = replace(m.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+    cfg = replace(m.model, vocab_size=d.draft_vocab_size, num_layers=1)
     rng = np.random.default_rng(2)
     t = 17
     toks = rng.integers(3, m.model.vocab_size, (1, t))

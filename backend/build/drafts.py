@@ -37,17 +37,19 @@ def head_dir(spec: str) -> Path:
     return Path(spec.split(":", 1)[1]).resolve()
 
 
-def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray, **extra) -> DraftEntry:
+def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray,
+                weights: str | None = None) -> DraftEntry:
     """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved."""
     from backend.build.heads.formats import head_meta, read_head
 
     cfg, w = read_head(head)
-    meta = head_meta(head, cfg)
     np.save(Path(engine_dir) / EAGLE_VOCAB, vocab)
+    fc = None
     if cfg.get("layout") == "eagle3":
         np.save(Path(engine_dir) / EAGLE3_FC, np.asarray(w["fc"], np.float32))
-        meta["fc_path"] = EAGLE3_FC
-    return DraftEntry("eagle", engine_file, 1, str(head), {**meta, "vocab_path": EAGLE_VOCAB, **extra})
+        fc = EAGLE3_FC
+    return DraftEntry("eagle", engine_file, 1, str(head), weights=weights, head=head_meta(head, cfg),
+                      vocab_path=EAGLE_VOCAB, fc_path=fc)
 
 
 def eagle3_fc(head: Path, target: EngineFile) -> tuple[np.ndarray | None, tuple[int, ...]]:

@@ -155,7 +155,7 @@ def export_layers(ck: Checkpoint, n: int, target: EngineFile, log):
     from backend.manifest import DraftEntry
 
     log(f"self-draft: first {n} layers + head of {target.path}")
-    return f"self{n}", DraftEntry("self", target.path, n, ck.source, {"weights": target.weights.value})
+    return f"self{n}", DraftEntry("self", target.path, n, ck.source, weights=target.weights.value)
 
 
 def export_head(head: Path, ck: Checkpoint, target: EngineFile, engine_dir: Path, log):
@@ -177,5 +177,5 @@ def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, engine_dir
     dck = draft_checkpoint(spec, ck.config)
     ef = export(dck, fmt, dck.config.num_layers, engine_dir, f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}")
     log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
-    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
-                               {"weights": fmt.value, "model": dck.config.to_json()})
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec), weights=fmt.value,
+                               model=dck.config)

@@ -89,7 +89,7 @@ def export_layers(ck: Checkpoint, n: int, target: EngineFile, act: dict | None, 
     ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
                 f"draft_self{n}_{fmt.value}", act)
     log(f"self-draft: first {n} layers + head, {fmt.value}")
-    return f"self{n}", DraftEntry("self", ef.path, n, ck.source, {"weights": fmt.value})
+    return f"self{n}", DraftEntry("self", ef.path, n, ck.source, weights=fmt.value)
 
 
 def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
@@ -118,8 +118,8 @@ def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_le
     ef = _write(dck, GraphSpec(fmt, dck.config.num_layers, max_seq_len, plugins=True, verify=False), engine_dir,
                 stem, dact)
     log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
-    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
-                               {"weights": fmt.value, "model": dck.config.to_json()})
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec), weights=fmt.value,
+                               model=dck.config)
 
 
 def profile_shapes(onnx_path: Path, max_seq_len: int, max_batch: int, slots: int, columns: int) -> dict:

@@ -18,7 +18,7 @@ from backend.devices.cuda import CudaBackend
 from backend.devices.native import NativeBackend
 from backend.devices.onnx import OrtBackend
 from backend.devices.tensorrt import TensorrtBackend, reference_executor
-from backend.manifest import Device, EngineManifest, ModelConfig, WeightFormat
+from backend.manifest import Device, EngineManifest, WeightFormat
 
 __all__ = ["BACKENDS", "BuildContext", "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here",
            "default_weights", "formats", "load_runtime", "reference_executor"]
@@ -88,10 +88,9 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
     d = manifest.drafts[engine]
     if d.kind == "eagle":
-        cfg = replace(manifest.model, vocab_size=int(d.extra["draft_vocab_size"]), num_layers=1)
+        cfg = replace(manifest.model, vocab_size=d.draft_vocab_size, num_layers=1)
     else:
-        cfg = ModelConfig.from_json(d.extra["model"]) if "model" in d.extra else manifest.model
-    weights = d.extra.get("weights", manifest.default_format)
-    backend = backend_for(manifest.device, weights)
-    ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, bool(d.extra.get("pad_single_token", False)))
+        cfg = d.model or manifest.model
+    backend = backend_for(manifest.device, d.weights or manifest.default_format)
+    ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, d.pad_single_token)
     return backend.load(manifest, ref, options)

@@ -42,7 +42,7 @@ class NativeBackend(EngineBackend):
 
     def export_layers(self, ctx, n, serving):      # the serving engine's first n layers, no new file
         ctx.log(f"self-draft: first {n} layers + head of {serving.path}")
-        return f"self{n}", DraftEntry("self", serving.path, n, ctx.ck.source, {"weights": serving.weights.value})
+        return f"self{n}", DraftEntry("self", serving.path, n, ctx.ck.source, weights=serving.weights.value)
 
     def export_model(self, ctx, path, serving):      # a separate draft model runs on ONNX Runtime
         return export_draft_model(ctx, path)

@@ -44,9 +44,8 @@ def export_draft_model(ctx: BuildContext, spec: str) -> tuple[str, DraftEntry]:
     stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
     ef = export_graph(dck, fmt, dck.config.num_layers, ctx, stem)
     ctx.log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
-    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec),
-                               {"weights": fmt.value, "pad_single_token": ef.pad_single_token,
-                                "model": dck.config.to_json()})
+    return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec), weights=fmt.value,
+                               pad_single_token=ef.pad_single_token, model=dck.config)
 
 
 def export_eagle(ctx: BuildContext, head: Path, native: bool) -> tuple[str, DraftEntry]:
@@ -56,8 +55,8 @@ def export_eagle(ctx: BuildContext, head: Path, native: bool) -> tuple[str, Draf
 
     path, vocab = export_eagle_head(head, ctx.ck, ctx.engine_dir, ctx.max_seq_len, native=native)
     entry = drafts_mod.eagle_entry(head, ctx.engine_dir, path.name, vocab,
-                                   **({"weights": WeightFormat.GGUF.value} if native else {}))
-    ctx.log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.extra['draft_vocab_size']})")
+                                   weights=WeightFormat.GGUF.value if native else None)
+    ctx.log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.draft_vocab_size})")
     return "eagle", entry
 
 
@@ -81,8 +80,8 @@ class OrtBackend(EngineBackend):
     def export_layers(self, ctx, n, serving):
         ef = export_graph(ctx.ck, WeightFormat.Q4, n, ctx, f"draft_self{n}_q4")
         ctx.log(f"self-draft: first {n} layers + head, q4")
-        return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source,
-                                     {"weights": "q4", "pad_single_token": ef.pad_single_token})
+        return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source, weights="q4",
+                                     pad_single_token=ef.pad_single_token)
 
     def export_model(self, ctx, path, serving):
         return export_draft_model(ctx, path)

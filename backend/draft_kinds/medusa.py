@@ -25,9 +25,9 @@ class MedusaKind(DraftKind):
         from backend.manifest import DraftEntry
 
         d = drafts_mod.head_dir(spec)
-        extra = export_medusa(d, ctx.engine_dir, ctx.ck.config.hidden_size, ctx.ck.config.vocab_size)
-        ctx.log(f"Medusa heads from {d}: {extra['num_heads']} heads -> {ENGINE_FILE}")
-        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(d), extra)
+        head = export_medusa(d, ctx.engine_dir, ctx.ck.config.hidden_size, ctx.ck.config.vocab_size)
+        ctx.log(f"Medusa heads from {d}: {head['num_heads']} heads -> {ENGINE_FILE}")
+        return "medusa", DraftEntry("medusa", ENGINE_FILE, 0, str(d), head=head)
 
     def time(self, manifest, context, reps):
         """Seconds of one proposal of every head for one sequence (host numpy)."""

@@ -113,11 +113,11 @@ class EagleDrafter:
     def from_manifest(cls, manifest, spec: SpecConfig, runtime) -> "EagleDrafter":
         """The head built into `manifest`, on `runtime` (the head's engine, loaded by the
         caller: draft_kinds.eagle_drafter)."""
-        extra = manifest.drafts["eagle"].extra
-        vocab = np.load(manifest.resolve(extra["vocab_path"]))
+        entry = manifest.drafts["eagle"]
+        vocab = np.load(manifest.resolve(entry.vocab_path))
         gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
-        fc = (HostFC(np.load(manifest.resolve(extra["fc_path"])), getattr(runtime, "threads", 1))
-              if "fc_path" in extra else None)
+        fc = (HostFC(np.load(manifest.resolve(entry.fc_path)), getattr(runtime, "threads", 1))
+              if entry.fc_path else None)
         return cls(runtime, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -40,7 +40,7 @@ class MedusaDrafter:
         d = manifest.drafts["medusa"]
         with np.load(manifest.resolve(d.path)) as z:
             weights = {k: z[k] for k in z.files}
-        return cls(weights, int(d.extra["num_heads"]), int(d.extra["num_layers"]))
+        return cls(weights, int(d.head["num_heads"]), int(d.head["num_layers"]))
 
     def check_params(self, params: SamplingParams) -> None:
         return None                                      # point-mass drafts: lossless for all
