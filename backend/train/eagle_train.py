@@ -256,6 +256,9 @@ def train(cfg: TrainConfig) -> Path:
     out, work = Path(cfg.out), Path(cfg.work)
     out.mkdir(parents=True, exist_ok=True)
     manifest = EngineManifest.load(cfg.engine_dir)
+    from backend.build.heads.eagle import check_target
+
+    check_target(manifest.model)                    # before any data is made
     shards, val_shards, t_data = prepare_data(cfg, manifest, Tokenizer.from_manifest(manifest))
     seqs = [q for source, paths in shards.items() for q in _load_shards(paths, source)]
     n_tok = sum(len(s["tokens"]) for s in seqs)                     # distinct tokens

@@ -21,6 +21,20 @@ from backend.manifest import WeightFormat
 
 EAGLE_ONNX = "draft_eagle.onnx"
 EAGLE_NATIVE = "draft_eagle.bin"
+# what an EAGLE head's layer implements of the target's model description beyond the Llama layer
+# (manifest.ModelConfig.features): none yet, so a head for Gemma-3 is refused, not mis-built
+HEAD_FEATURES: frozenset[str] = frozenset()
+
+
+def check_target(model) -> None:
+    """Refuse (one line) a target whose description an EAGLE head cannot follow: its layer, its
+    embedding and its features are the Llama family's (train/eagle_model.py)."""
+    from backend.build.checkpoint import CheckpointError
+
+    missing = sorted(set(model.features()) - HEAD_FEATURES)
+    if missing:
+        raise CheckpointError(f"EAGLE heads for {model.architecture} are not supported yet: the head's layer "
+                              f"does not implement {', '.join(missing)} (prompt lookup and self:N drafts work)")
 
 
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
