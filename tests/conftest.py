@@ -264,3 +264,76 @@ def tiny_with_head(d: Path, device, weights) -> tuple:
     m = build(BuildConfig(target=str(ckpt), output=d / "repo", device=device, quiet=True, weights=weights,
                           drafts=("self:1", f"eagle:{head}")))
     return m, ckpt, d / "repo"
+
+
+def http_post(url: str, path: str, body: dict, timeout: float = 300) -> tuple[int, str]:
+    """POST JSON to a running server (Triton's generate endpoint) -> (status, body text)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Connection": "close"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+# ---- a model against transformers, position by position (Gemma-3's windows: test_gemma3*.py) ----
+
+def rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def hf_logits(hf, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([list(map(int, ids))])).logits[0].numpy()
+
+
+def prefill_logits(rt, sid, ids) -> np.ndarray:
+    """Allocate `sid`, run `ids` in one forward (every row's logits), commit them."""
+    rt.alloc(sid)
+    out = rt.forward([sid], np.asarray(ids, np.int64)[None], chain(len(ids)), np.arange(len(ids))[None])
+    logits = np.array(out.logits[0])
+    rt.commit([sid], [np.arange(len(ids))])
+    return logits
+
+
+def decode_and_branch_errors(rt, hf, vocab: int, window: int, tree_choices=None) -> dict:
+    """Decode steps past a window of `window` against transformers' full forward, and a tree's
+    branches verified in one forward against each branch decoded alone (asserted bitwise) and
+    against transformers -> {"decode": max error, "tree": max error, "decode_steps": [(error,
+    argmax equal)]}."""
+    from backend.tree import TokenTree
+
+    rng = np.random.default_rng(2)
+    errs = {"decode": 0.0, "tree": 0.0, "decode_steps": []}
+    ids = list(rng.integers(3, vocab, 3 * window))
+    prefill_logits(rt, 10, ids[:window])
+    ref = hf_logits(hf, ids)
+    for i in range(window, len(ids)):
+        got = np.array(rt.forward([10], np.array([[ids[i]]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0])
+        errs["decode_steps"].append((rel_err(got, ref[i]), bool(got.argmax() == ref[i].argmax())))
+        rt.commit([10], [np.array([0])])
+    errs["decode"] = max(e for e, _ in errs["decode_steps"])
+    rt.free(10)
+    prefix = list(rng.integers(3, vocab, 2 * window - 1))
+    tree = TokenTree.from_choices(tree_choices or [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0],
+                                                   [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
+    tokens = rng.integers(3, vocab, tree.num_nodes)
+    prefill_logits(rt, 20, prefix)
+    tree_logits = np.array(rt.forward([20], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None]).logits[0])
+    rt.commit([20], [np.array([0])])
+    rt.free(20)
+    for b, path in enumerate(tree.paths):
+        path = path[path >= 0]
+        branch = prefix + list(tokens[path])
+        alone = prefill_logits(rt, 30 + b, branch)[len(prefix):]
+        rt.free(30 + b)
+        np.testing.assert_array_equal(tree_logits[path], alone)
+        errs["tree"] = max(errs["tree"], rel_err(tree_logits[path], hf_logits(hf, branch)[len(prefix):]))
+    return errs
+

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_greedy_identity, chain, device_env, make_tiny_checkpoint, spec_decoder
+from conftest import (assert_greedy_identity, decode_and_branch_errors, device_env, hf_logits,
+                      make_tiny_checkpoint, prefill_logits, rel_err, spec_decoder)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -34,8 +35,6 @@ WINDOW = 6
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rel(a, b) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def tt(a):
@@ -217,19 +216,6 @@ def trt_build(gemma_ckpt):
     mp.undo()
 
 
-def hf_logits(hf, ids) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([list(map(int, ids))])).logits[0].numpy()
-
-
-def prefill(rt, sid, ids) -> np.ndarray:
-    rt.alloc(sid)
-    out = rt.forward([sid], np.asarray(ids, np.int64)[None], chain(len(ids)), np.arange(len(ids))[None])
-    logits = np.array(out.logits[0])
-    rt.commit([sid], [np.arange(len(ids))])
-    return logits
-
-
 def load(m, fmt):
     from backend.devices import load_runtime
 
@@ -239,34 +225,8 @@ def load(m, fmt):
 def check_decode_and_branches(rt, hf, vocab: int, tol: float = 1e-4, tree_choices=None) -> dict:
     """Decode steps past the window equal transformers' full forward; a tree's branches, verified in
     one forward, equal each branch decoded alone (bitwise) and transformers -> the largest errors."""
-    from backend.tree import TokenTree
-
-    rng = np.random.default_rng(2)
-    errs = {"decode": 0.0, "tree": 0.0}
-    ids = list(rng.integers(3, vocab, 3 * WINDOW))
-    prefill(rt, 10, ids[:WINDOW])
-    ref = hf_logits(hf, ids)
-    for i in range(WINDOW, len(ids)):
-        out = rt.forward([10], np.array([[ids[i]]]), chain(1), np.zeros((1, 1), np.int64))
-        errs["decode"] = max(errs["decode"], rel(np.array(out.logits[0, 0]), ref[i]))
-        rt.commit([10], [np.array([0])])
-    rt.free(10)
-    prefix = list(rng.integers(3, vocab, 2 * WINDOW - 1))
-    tree = TokenTree.from_choices(tree_choices or [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0],
-                                                   [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
-    tokens = rng.integers(3, vocab, tree.num_nodes)
-    prefill(rt, 20, prefix)
-    out = rt.forward([20], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None])
-    tree_logits = np.array(out.logits[0])
-    rt.commit([20], [np.array([0])])
-    rt.free(20)
-    for b, path in enumerate(tree.paths):
-        path = path[path >= 0]
-        branch = prefix + list(tokens[path])
-        alone = prefill(rt, 30 + b, branch)[len(prefix):]
-        rt.free(30 + b)
-        np.testing.assert_array_equal(tree_logits[path], alone)
-        errs["tree"] = max(errs["tree"], rel(tree_logits[path], hf_logits(hf, branch)[len(prefix):]))
+    errs = decode_and_branch_errors(rt, hf, vocab, WINDOW, tree_choices)
+    errs = {"decode": errs["decode"], "tree": errs["tree"]}
     assert max(errs.values()) < tol, errs
     return errs
 
@@ -281,8 +241,8 @@ def test_cuda_build_prefill_past_the_window_matches_transformers(cuda_build):
     errs = {}
     for fmt, tol in (("fp32", 1e-4), ("bf16", 3e-2), ("fp8", 0.3)):
         rt = load(m, fmt)
-        got = prefill(rt, 1, ids)
-        errs[fmt] = rel(got, ref)
+        got = prefill_logits(rt, 1, ids)
+        errs[fmt] = rel_err(got, ref)
         if fmt == "fp32":
             assert (got.argmax(-1) == ref.argmax(-1)).all()
         rt.close()
@@ -300,8 +260,8 @@ def test_cuda_build_with_the_triton_kernel_matches_transformers(cuda_build):
     rt = load(m, "fp32")
     rt.kernels = True
     ids = np.random.default_rng(3).integers(3, m.model.vocab_size, 3 * WINDOW + 2)
-    got = prefill(rt, 1, ids)
-    assert rel(got, hf_logits(hf, ids)) < 1e-4
+    got = prefill_logits(rt, 1, ids)
+    assert rel_err(got, hf_logits(hf, ids)) < 1e-4
     rt.free(1)
     from backend.tree import TokenTree
 
@@ -309,16 +269,16 @@ def test_cuda_build_with_the_triton_kernel_matches_transformers(cuda_build):
     prefix = list(rng.integers(3, m.model.vocab_size, WINDOW + 1))
     tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 0, 0]])
     tokens = rng.integers(3, m.model.vocab_size, tree.num_nodes)
-    prefill(rt, 2, prefix)
+    prefill_logits(rt, 2, prefix)
     tree_logits = np.array(rt.forward([2], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None]).logits[0])
     rt.free(2)
     for b, path in enumerate(tree.paths):
         path = path[path >= 0]
         branch = prefix + list(tokens[path])
-        alone = prefill(rt, 3 + b, branch)[len(prefix):]
+        alone = prefill_logits(rt, 3 + b, branch)[len(prefix):]
         rt.free(3 + b)
         np.testing.assert_array_equal(tree_logits[path], alone)
-        assert rel(alone, hf_logits(hf, branch)[len(prefix):]) < 1e-4
+        assert rel_err(alone, hf_logits(hf, branch)[len(prefix):]) < 1e-4
     rt.close()
 
 
@@ -365,7 +325,7 @@ def test_tensorrt_build_matches_transformers(trt_build):
     errs = {}
     for fmt in ("fp32", "fp8"):
         rt = load(m, fmt)
-        errs[fmt] = rel(prefill(rt, 1, ids), ref)
+        errs[fmt] = rel_err(prefill_logits(rt, 1, ids), ref)
         rt.close()
     assert errs["fp32"] < 1e-4 and errs["fp8"] < 0.3, errs
     rt = load(m, "fp32")
@@ -409,14 +369,14 @@ def test_final_logit_softcap_on_the_torch_model_and_the_engine_graph(gemma_ckpt,
     hf_capped = transformers.AutoModelForCausalLM.from_pretrained(str(capped), dtype=torch.float32).eval()
     ids = np.random.default_rng(5).integers(3, c.vocab_size, 3 * WINDOW)
     ref = hf_logits(hf_capped, ids)
-    assert rel(ref, hf_logits(hf, ids)) > 0.1                    # the cap bends these logits
+    assert rel_err(ref, hf_logits(hf, ids)) > 0.1                    # the cap bends these logits
     ef = torch_engine.export(ck, WeightFormat.FP32, c.num_layers, tmp_path, "capped")
     rt = TorchRuntime(tmp_path / ef.path, c, c.num_layers, 64, RuntimeOptions(max_sequences=1), "cpu")
-    errs = {"torch": rel(prefill(rt, 0, ids), ref)}
+    errs = {"torch": rel_err(prefill_logits(rt, 0, ids), ref)}
     rt.close()
     save_model(build_decoder(ck, GraphSpec(WeightFormat.FP32, c.num_layers, 64, plugins=True)), tmp_path / "e.onnx")
     rt = EngineRuntime(OrtExecutor(tmp_path / "e.onnx", c, c.num_layers), c, c.num_layers, 64,
                        RuntimeOptions(max_sequences=1))
-    errs["engine_graph"] = rel(prefill(rt, 0, ids), ref)
+    errs["engine_graph"] = rel_err(prefill_logits(rt, 0, ids), ref)
     rt.close()
     assert max(errs.values()) < 1e-4, errs

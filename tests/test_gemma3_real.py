@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
 from backend.config import DrafterKind, SamplingParams
 from backend.devices import load_runtime
-from conftest import chain, load_prompts, spec_decoder
+from conftest import chain, http_post, load_prompts, spec_decoder
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -136,16 +134,6 @@ def test_greedy_speculation_with_every_drafter_is_plain(repo, texts):
             assert gen(ids, kind) == plain, kind
 
 
-def _post(url: str, model: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Connection": "close"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_served_end_to_end(repo, tmp_path):
     """On the real tritonserver: plain text through `specdec` (gRPC stream) and the ensemble
     (HTTP) equals offline decoding; a chat-template request is INVALID_ARG naming the input, and
@@ -171,13 +159,13 @@ def test_served_end_to_end(repo, tmp_path):
         chunks = []
         spclient.stream_grpc(srv.grpc_url, "specdec", spclient.request_fields(prompt, Args()), chunks.append)
         assert "".join(chunks) == expected
-        status, text = _post(srv.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24})
+        status, text = http_post(srv.http_url, "/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 24})
         assert status == 200 and json.loads(text)["text_output"] == expected
         for model in ("specdec", "ensemble"):
-            status, text = _post(srv.http_url, model, {"text_input": prompt, "max_tokens": 4,
+            status, text = http_post(srv.http_url, f"/v2/models/{model}/generate", {"text_input": prompt, "max_tokens": 4,
                                                        "apply_chat_template": True})
             assert status == 400 and "apply_chat_template" in text, (model, status, text)
-        status, text = _post(srv.http_url, "specdec", {"text_input": prompt, "max_tokens": 4})
+        status, text = http_post(srv.http_url, "/v2/models/specdec/generate", {"text_input": prompt, "max_tokens": 4})
         assert status == 200
     finally:
         assert srv.stop() == 0

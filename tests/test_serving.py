@@ -20,7 +20,7 @@ from backend.engine import make_decoder
 from backend.sequence import Request
 from backend.serve import client as spclient
 from backend.serve.launcher import TritonServer
-from conftest import load_prompts
+from conftest import http_post, load_prompts
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -61,16 +61,6 @@ def collect(fn, url, model, prompt, **kw):
     chunks = []
     stats = fn(url, model, spclient.request_fields(prompt, Args(**kw)), chunks.append)
     return "".join(chunks), chunks, stats
-
-
-def http_post(url: str, path: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Connection": "close"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def metrics(srv) -> str:

@@ -215,6 +215,11 @@ class NativeModel:
                              _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))
+        lib = library()
+        lib.sd_model_ok.argtypes, lib.sd_model_ok.restype = [ctypes.c_void_p], ctypes.c_int
+        if not lib.sd_model_ok(ctypes.addressof(self.struct)):      # checked once here, not per forward
+            raise NativeABIError(f"{path}: a matrix of this engine has a block kind or shape the native kernel "
+                                 f"cannot run (a stale or foreign engine file); rebuild it with `specdec build`")
         self.eagle = "fc" in t or "layers.0.hidden_norm" in t        # takes `features`
         self.embed_rows = header["tensors"]["embed"]["rows"]     # token ids index the (target's) embedding
         self.num_layers = n

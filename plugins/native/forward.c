@@ -344,7 +344,9 @@ static int usable(const sd_matrix *w) {
     return block_bytes(w->type) != 0 && w->cols % block_elems(w->type) == 0 && w->rows % LANES == 0;
 }
 
-static int model_usable(const sd_model *m) {
+/* 1 when every matrix of the model is one the kernels can run; runtime/native.py asks once, when
+ * it loads an engine (not on every forward) */
+int sd_model_ok(const sd_model *m) {
     if (!usable(&m->embed) || !usable(&m->lm_head) || (m->fc.data && !usable(&m->fc))) return 0;
     for (int l = 0; l < m->num_layers; l++) {
         const sd_layer *L = &m->layers[l];
@@ -362,7 +364,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
     if (bad) return bad;
     const int h = m->hidden, d = m->head_dim;
     if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || m->inter % QBLOCK || (m->num_heads * d) % QBLOCK) return -1;
-    if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden || !model_usable(m)) return -1;
+    if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden) return -1;
     buffers b;
     if (reserve(ws, carve(m, s, NULL, &b))) return -1;
     carve(m, s, ws->data, &b);

@@ -659,6 +659,16 @@ int sd_dequant_row(const sd_matrix *w, int n, float *out) {
 
 /* ---- elementwise ------------------------------------------------------------------------- */
 
+/* 1 / rms(x) over n floats (n a multiple of 8): one sum order for every norm kernel */
+static inline float inv_rms(const float *x, int n, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    return 1.0f / sqrtf(hsum8(ss) / (float)n + eps);
+}
+
 /* y = x / rms(x) * w, rows of y `ldy` apart; w NULL: y = x (an EAGLE-1/2 head has no input
  * norm, and no final norm) */
 void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, float *y, int ldy) {
@@ -669,12 +679,7 @@ void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, fl
             if (y != x) memcpy(y + (size_t)r * ldy, xr, sizeof(float) * h);
             continue;
         }
-        __m256 ss = _mm256_setzero_ps();
-        for (int j = 0; j < h; j += 8) {
-            __m256 v = _mm256_loadu_ps(xr + j);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        float inv = 1.0f / sqrtf(hsum8(ss) / (float)h + eps);
+        float inv = inv_rms(xr, h, eps);
         for (int j = 0; j < h; j++) y[(size_t)r * ldy + j] = (xr[j] * inv) * w[j];
     }
 }
@@ -703,12 +708,7 @@ void add_normed_rows(const float *t, int rows, int h, const float *w, float eps,
     for (int r = 0; r < rows; r++) {
         const float *tr = t + (size_t)r * h;
         float *xr = x + (size_t)r * h;
-        __m256 ss = _mm256_setzero_ps();
-        for (int j = 0; j < h; j += 8) {
-            __m256 v = _mm256_loadu_ps(tr + j);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        float inv = 1.0f / sqrtf(hsum8(ss) / (float)h + eps);
+        float inv = inv_rms(tr, h, eps);
         for (int j = 0; j < h; j++) xr[j] = xr[j] + (tr[j] * inv) * w[j];
     }
 }
@@ -716,12 +716,7 @@ void add_normed_rows(const float *t, int rows, int h, const float *w, float eps,
 void rmsnorm_heads(float *v, int heads, int d, const float *w, float eps) {
     for (int hh = 0; hh < heads; hh++) {
         float *x = v + (size_t)hh * d;
-        __m256 ss = _mm256_setzero_ps();
-        for (int j = 0; j < d; j += 8) {
-            __m256 e = _mm256_loadu_ps(x + j);
-            ss = _mm256_fmadd_ps(e, e, ss);
-        }
-        float inv = 1.0f / sqrtf(hsum8(ss) / (float)d + eps);
+        float inv = inv_rms(x, d, eps);
         for (int j = 0; j < d; j++) x[j] = (x[j] * inv) * w[j];
     }
 }
