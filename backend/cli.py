@@ -9,6 +9,7 @@ from pathlib import Path
 
 from backend.bench.prompt_sets import default_prompts, load_prompts
 from backend.config import DrafterKind
+from backend.devices import DEVICES, FORMATS
 from backend.manifest import Device, WeightFormat
 
 DEFAULT_REPO = "model_repository"
@@ -17,7 +18,7 @@ DEFAULT_REPO = "model_repository"
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", choices=[d.value for d in Device],
+    p.add_argument("--device", default="cpu", choices=[d.value for d in DEVICES],
                    help="cpu: our C kernel over GGUF blocks and ONNX Runtime graphs; cuda: torch + Triton kernels (built on the GPU "
                         "that serves; without a GPU, for this CPU); tensorrt: TensorRT engines with "
                         "our plugins (built on the GPU that serves; without TensorRT and a GPU, the "
@@ -27,7 +28,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                         "gguf, fp32, q4 for cpu (default gguf,fp32,q4; gguf: the GGUF's own blocks on our C "
                         "kernel, left out where the install could not compile it); fp32, bf16, fp8 for cuda (default bf16,fp8); "
                         "fp32, fp8 for tensorrt (default fp8)")
-    p.add_argument("--default-format", default=None, choices=[f.value for f in WeightFormat],
+    p.add_argument("--default-format", default=None, choices=[f.value for f in FORMATS],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
                    help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from backend.names import Name
+
 
 class RequestError(ValueError):
     """A client mistake; `field` names the offending input."""
@@ -24,49 +26,18 @@ class _DrafterKinds(type):
     """Iterating DrafterKind lists the registered kinds, as iterating an Enum lists its members."""
 
     def __iter__(cls):
-        return iter(list(cls._known.values()))
+        return iter(cls.registered())
 
 
-class DrafterKind(str, metaclass=_DrafterKinds):
+class DrafterKind(Name, metaclass=_DrafterKinds):
     """A drafter's name, as a request's `drafter` input and the server's default name it.
 
     Behaves as a str Enum (one object per name, compared with `is`; DrafterKind("x") raises
     ValueError for a name nobody registered; `.value` is the name) but is open: a drafter kind
     defined elsewhere registers its name (draft_kinds/, `DrafterKind.register`), so a new kind
-    needs no edit here."""
+    needs no edit here (backend/names.py)."""
 
-    _known: dict[str, "DrafterKind"] = {}
-
-    def __new__(cls, value):
-        if isinstance(value, DrafterKind):
-            return value
-        try:
-            return cls._known[value]
-        except (KeyError, TypeError):
-            raise ValueError(f"{value!r} is not a valid DrafterKind") from None
-
-    @classmethod
-    def register(cls, value: str) -> "DrafterKind":
-        if value not in cls._known:
-            cls._known[value] = str.__new__(cls, value)
-        return cls._known[value]
-
-    @classmethod
-    def unregister(cls, value: str) -> None:
-        cls._known.pop(value, None)
-
-    @property
-    def value(self) -> str:
-        return str.__str__(self)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return f"DrafterKind({self.value!r})"
-
-    def __reduce__(self):
-        return DrafterKind, (self.value,)
+    strict = True
 
 
 DrafterKind.NONE = DrafterKind.register("none")                    # plain decoding

@@ -8,31 +8,38 @@ versions. Does not know: anything about requests or speculation policy (see conf
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.errors import ManifestMismatch, ManifestMissing
+from backend.names import Name
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 3          # 3: the model description (ModelConfig fields), native kinds, plugin windows; 2: cuda engines, gpu
 
 
-class WeightFormat(str, enum.Enum):
-    FP32 = "fp32"  # exact: every weight dequantized to float32
-    Q4 = "q4"      # 4-bit MatMulNBits; GGUF blocks repacked exactly (see build/quant.py) (cpu)
-    GGUF = "gguf"  # the GGUF's own Q4_1 / Q8_0 blocks, run by our C decode step (runtime/native.py) (cpu)
-    BF16 = "bf16"  # bfloat16 weights (cuda)
-    FP8 = "fp8"    # float8 E4M3, per-output-channel weight and per-tensor activation scales (cuda)
+class WeightFormat(Name):
+    """How an engine's weights are stored; each device backend lists the formats it builds (an
+    open set, backend/names.py: a new format is declared by its backend, refused where unknown by
+    devices.backend_for). The constants name the formats of this tree's backends."""
 
 
-class Device(str, enum.Enum):
+WeightFormat.FP32 = WeightFormat("fp32")  # exact: every weight dequantized to float32
+WeightFormat.Q4 = WeightFormat("q4")      # 4-bit MatMulNBits; GGUF blocks repacked exactly (build/quant.py) (cpu)
+WeightFormat.GGUF = WeightFormat("gguf")  # the GGUF's own blocks, run by our C decode step (runtime/native.py) (cpu)
+WeightFormat.BF16 = WeightFormat("bf16")  # bfloat16 weights (cuda)
+WeightFormat.FP8 = WeightFormat("fp8")    # float8 E4M3, per-output-channel weight and per-tensor activation scales (cuda)
+
+
+class Device(Name):
     """Where the engines run; each device's backends (formats, export, loading) are in
-    backend/devices."""
-    CPU = "cpu"    # our C decode step over GGUF blocks (gguf), ONNX Runtime graphs (fp32, q4)
-    CUDA = "cuda"  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
-    TENSORRT = "tensorrt"  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
+    backend/devices, which also lists the devices this install knows (devices.DEVICES)."""
+
+
+Device.CPU = Device("cpu")    # our C decode step over GGUF blocks (gguf), ONNX Runtime graphs (fp32, q4)
+Device.CUDA = Device("cuda")  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
+Device.TENSORRT = Device("tensorrt")  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
 
 
 @dataclass(frozen=True)
@@ -216,7 +223,7 @@ class EngineManifest:
         return {
             "version": self.version,
             "model": self.model.to_json(),
-            "engines": {k: _enum_dict(v) for k, v in self.engines.items()},
+            "engines": {k: _plain_dict(v) for k, v in self.engines.items()},
             "default_format": self.default_format.value,
             "device": self.device.value,
             "max_seq_len": self.max_seq_len,
@@ -270,6 +277,6 @@ class EngineManifest:
         )
 
 
-def _enum_dict(obj) -> dict:
+def _plain_dict(obj) -> dict:
     d = dataclasses.asdict(obj)
-    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in d.items()}
+    return {k: (v.value if isinstance(v, Name) else v) for k, v in d.items()}

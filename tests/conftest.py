@@ -323,17 +323,24 @@ def decode_and_branch_errors(rt, hf, vocab: int, window: int, tree_choices=None)
     prefix = list(rng.integers(3, vocab, 2 * window - 1))
     tree = TokenTree.from_choices(tree_choices or [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0],
                                                    [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
-    tokens = rng.integers(3, vocab, tree.num_nodes)
-    prefill_logits(rt, 20, prefix)
-    tree_logits = np.array(rt.forward([20], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None]).logits[0])
-    rt.commit([20], [np.array([0])])
-    rt.free(20)
+    errs["tree"] = tree_branch_error(rt, hf, prefix, tree, rng.integers(3, vocab, tree.num_nodes))
+    return errs
+
+
+def tree_branch_error(rt, hf, prefix, tree, tokens, sid: int = 20) -> float:
+    """`tokens` on `tree` after `prefix`, verified in one forward: each branch's logits equal that
+    branch decoded alone, bit for bit (asserted) -> the largest error against transformers."""
+    prefill_logits(rt, sid, prefix)
+    tree_logits = np.array(rt.forward([sid], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None]).logits[0])
+    rt.commit([sid], [np.array([0])])
+    rt.free(sid)
+    err = 0.0
     for b, path in enumerate(tree.paths):
         path = path[path >= 0]
-        branch = prefix + list(tokens[path])
-        alone = prefill_logits(rt, 30 + b, branch)[len(prefix):]
-        rt.free(30 + b)
+        branch = list(prefix) + list(tokens[path])
+        alone = prefill_logits(rt, sid + 1 + b, branch)[len(prefix):]
+        rt.free(sid + 1 + b)
         np.testing.assert_array_equal(tree_logits[path], alone)
-        errs["tree"] = max(errs["tree"], rel_err(tree_logits[path], hf_logits(hf, branch)[len(prefix):]))
-    return errs
+        err = max(err, rel_err(alone, hf_logits(hf, branch)[len(prefix):]))
+    return err
 

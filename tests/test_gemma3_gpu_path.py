@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import (assert_greedy_identity, decode_and_branch_errors, device_env, hf_logits,
-                      make_tiny_checkpoint, prefill_logits, rel_err, spec_decoder)
+                      make_tiny_checkpoint, prefill_logits, rel_err, spec_decoder, tree_branch_error)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -268,17 +268,7 @@ def test_cuda_build_with_the_triton_kernel_matches_transformers(cuda_build):
     rng = np.random.default_rng(4)
     prefix = list(rng.integers(3, m.model.vocab_size, WINDOW + 1))
     tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 0, 0]])
-    tokens = rng.integers(3, m.model.vocab_size, tree.num_nodes)
-    prefill_logits(rt, 2, prefix)
-    tree_logits = np.array(rt.forward([2], tokens[None], tree.parents[None], np.arange(tree.num_nodes)[None]).logits[0])
-    rt.free(2)
-    for b, path in enumerate(tree.paths):
-        path = path[path >= 0]
-        branch = prefix + list(tokens[path])
-        alone = prefill_logits(rt, 3 + b, branch)[len(prefix):]
-        rt.free(3 + b)
-        np.testing.assert_array_equal(tree_logits[path], alone)
-        assert rel_err(alone, hf_logits(hf, branch)[len(prefix):]) < 1e-4
+    assert tree_branch_error(rt, hf, prefix, tree, rng.integers(3, m.model.vocab_size, tree.num_nodes), sid=2) < 1e-4
     rt.close()
 
 

@@ -83,10 +83,11 @@ def test_the_serving_wings_never_reach_the_build_or_the_device_seam():
 
 
 def test_every_device_is_one_backend_in_the_registry():
-    from backend.devices import BACKENDS, backend_for, formats
+    from backend.devices import BACKENDS, DEVICES, FORMATS, backend_for, formats
     from backend.manifest import Device
 
-    assert {b.device for b in BACKENDS} == set(Device)
+    assert set(DEVICES) == {b.device for b in BACKENDS} == {Device.CPU, Device.CUDA, Device.TENSORRT}
+    assert set(FORMATS) == {f for b in BACKENDS for f in b.formats}
     for b in BACKENDS:
         assert all(backend_for(b.device, f) is b for f in b.formats) and set(b.defaults) <= set(b.formats)
     assert set(formats(Device.CPU)) == {"gguf", "fp32", "q4"}
@@ -101,3 +102,42 @@ def test_a_backend_missing_part_of_the_contract_cannot_be_made():
         pass
     with pytest.raises(TypeError, match="export_targets.*load|load.*export_targets"):
         Half()
+
+
+def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
+    """Adding a device needs no edit to the manifest, the build or the loader: a toy backend
+    (device "toy", format "toy32": ONNX fp32 graphs under new names) registered in BACKENDS builds
+    a target and a self-draft, writes and re-reads its manifest, loads through load_runtime and
+    decodes greedily like the fp32 engine it wraps; an unknown device is refused naming the known."""
+    from dataclasses import replace
+
+    import pytest
+
+    from backend import devices
+    from backend.build.pipeline import BuildConfig, build
+    from backend.devices.onnx import OrtBackend, export_graph
+    from backend.manifest import Device, DraftEntry, EngineManifest, WeightFormat
+    from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
+
+    toy32 = WeightFormat("toy32")
+
+    class ToyBackend(OrtBackend):
+        name, device, formats, defaults = "toy", Device("toy"), (toy32,), (toy32,)
+
+        def export_targets(self, ctx, formats):
+            ef = export_graph(ctx.ck, WeightFormat.FP32, ctx.ck.config.num_layers, ctx, "target_toy32", ctx.features)
+            return {toy32.value: replace(ef, weights=toy32)}, {toy32.value: 0.0}
+
+        def export_layers(self, ctx, n, serving):
+            ef = export_graph(ctx.ck, WeightFormat.FP32, n, ctx, f"draft_self{n}_toy32")
+            return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source, weights=toy32.value)
+
+    monkeypatch.setattr(devices, "BACKENDS", devices.BACKENDS + (ToyBackend(),))
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    built = build(BuildConfig(target=str(ckpt), output=tmp_path / "toy", device=Device("toy"), quiet=True,
+                              measure_costs=False, drafts=("self:1",)))
+    m = EngineManifest.load(built.root)
+    assert m.device is Device("toy") and m.default_format is toy32 and set(m.drafts) == {"self1"}
+    assert_greedy_identity(spec_decoder(m, "toy32", num_draft_tokens=3), "draft-model")   # self:1
+    with pytest.raises(ValueError, match=r"device 'npu' has no backend in this install \(devices: cpu, cuda, tensorrt, toy\)"):
+        devices.backend_for(Device("npu"), "fp32")

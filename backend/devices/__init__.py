@@ -20,7 +20,7 @@ from backend.devices.onnx import OrtBackend
 from backend.devices.tensorrt import TensorrtBackend, reference_executor
 from backend.manifest import Device, EngineManifest, WeightFormat
 
-__all__ = ["BACKENDS", "BuildContext", "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here",
+__all__ = ["BACKENDS", "DEVICES", "FORMATS", "BuildContext", "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here",
            "default_weights", "formats", "load_runtime", "reference_executor"]
 
 # One line per backend; on a device with several, the first whose formats include a format owns it,
@@ -29,20 +29,28 @@ BACKENDS: tuple[EngineBackend, ...] = (NativeBackend(), OrtBackend(), CudaBacken
 
 TARGET = "target"
 
+# the devices and weight formats this install knows, in BACKENDS order (the CLI's choices)
+DEVICES: tuple[Device, ...] = tuple(dict.fromkeys(b.device for b in BACKENDS))
+FORMATS: tuple[WeightFormat, ...] = tuple(dict.fromkeys(f for b in BACKENDS for f in b.formats))
+
 
 def formats(device: Device) -> tuple[WeightFormat, ...]:
     """Every weight format a build for `device` can make."""
     seen: list[WeightFormat] = []
     for b in BACKENDS:
-        if b.device is device:
+        if b.device == device:
             seen += [f for f in b.formats if f not in seen]
     return tuple(seen)
 
 
 def backend_for(device: Device, fmt: WeightFormat | str) -> EngineBackend:
     fmt = WeightFormat(fmt)
+    known = tuple(dict.fromkeys(b.device for b in BACKENDS))
+    if device not in known:
+        raise ValueError(f"device {Device(device).value!r} has no backend in this install "
+                         f"(devices: {', '.join(d.value for d in known)})")
     for b in BACKENDS:
-        if b.device is device and fmt in b.formats:
+        if b.device == device and fmt in b.formats:
             return b
     raise ValueError(f"weight format {fmt.value!r} is not one of --device {device.value} "
                      f"(formats: {', '.join(f.value for f in formats(device))})")
@@ -54,7 +62,7 @@ def default_weights(device: Device) -> tuple[WeightFormat, ...]:
     where the install compiled it, then fp32 and q4 on ONNX Runtime."""
     out: list[WeightFormat] = []
     for b in BACKENDS:
-        if b.device is device and b.missing() is None:
+        if b.device == device and b.missing() is None:
             out += [f for f in b.defaults if f not in out]
     return tuple(out)
 
