@@ -30,3 +30,23 @@ def test_paired_bench_runs_every_mode_on_the_same_requests(built_repo, tmp_path)
         assert r["fixed_draft_tokens_per_output_token"] > 0
     assert set(rows[0]["fixed_k_speedup"]) == {"2", "5"}
     assert "auto_vs_best_fixed" in rows[0] and "fixed_k_speedup" not in rows[1]
+
+
+def test_spec_bench_records_outputs_and_seeded_sampling_identity(manifest, tmp_path):
+    """`specdec bench --json` keeps each prompt's generated ids and text; at temperature > 0 the
+    plain and speculative runs take the prompt's seed, so they are compared token for token too."""
+    from backend.bench import spec_bench
+    from backend.config import DrafterKind
+    from conftest import spec_decoder
+
+    dec = spec_decoder(manifest, manifest.default_format.value)
+    out = tmp_path / "bench.json"
+    result = spec_bench.run(dec, load_prompts(PROMPTS)[:3], DrafterKind.PROMPT_LOOKUP, 16, temperature=0.7,
+                            ignore_eos=True, out_json=out, log=lambda *a: None)
+    assert json.loads(out.read_text())["prompts"] == result["prompts"]
+    assert result["all_identical_to_plain"] is True
+    for row in result["prompts"]:
+        assert row["identical_to_plain"] is True and "plain_output_ids" not in row
+        assert len(row["output_ids"]) == row["tokens"] == 16
+        assert row["output_text"] == dec.tok.decode(row["output_ids"])
+    assert len({tuple(r["output_ids"]) for r in result["prompts"]}) == 3

@@ -4,8 +4,10 @@ For every prompt, plain decoding and speculative decoding run back to back throu
 decoder (same engine, same sampling parameters and seed), so the speedup is a ratio measured
 under the same machine conditions. Reports overall and per prompt kind: tokens/s, TPOT, TTFT,
 acceptance rate, E[tau] (mean tokens per target forward), per-position acceptance and the
-draft/verify time split; per prompt: speedup, E[tau] and, at temperature 0, whether the
-speculative output is token-identical to plain decoding. A model without a chat template (a base
+draft/verify time split; per prompt: speedup, E[tau], whether the speculative output is
+token-identical to plain decoding (greedy, and sampled: both runs take the prompt's seed), and the
+output itself (`output_ids`: the generated tokens only, `output_text`; the plain run's too where
+they differ), so engines and checkpoints can be compared token for token. A model without a chat template (a base
 model) gets each prompt's text as a plain continuation; the report says which ("prompt_format").
 """
 from __future__ import annotations
@@ -104,9 +106,12 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
         row = {"id": item["id"], "kind": item["kind"], "speedup": round(s_tps / p_tps, 3) if p_tps else None,
                "mean_accepted_tokens": round(spec.stats.mean_accepted_tokens, 3),
                "acceptance_rate": round(spec.stats.acceptance_rate, 3),
-               "identical_to_plain": (spec.tokens == plain.tokens) if temperature == 0 else None,
+               "identical_to_plain": spec.tokens == plain.tokens,
                "plain_tokens_per_s": round(p_tps, 2), "spec_tokens_per_s": round(s_tps, 2),
-               "tokens": len(spec.tokens), "prompt_tokens": len(ids)}
+               "tokens": len(spec.tokens), "prompt_tokens": len(ids), "seed": seed,
+               "output_ids": list(map(int, spec.tokens)), "output_text": tok.decode(spec.tokens)}
+        if spec.tokens != plain.tokens:
+            row.update(plain_output_ids=list(map(int, plain.tokens)), plain_output_text=tok.decode(plain.tokens))
         rows.append(row)
         log(f"{item['id']:24s} {item['kind']:10s} plain {p_tps:6.1f} tok/s  spec {s_tps:6.1f} tok/s  "
             f"x{row['speedup'] or 0:.2f}  E[tau] {row['mean_accepted_tokens']:.2f}  "
@@ -130,7 +135,7 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
                       "draft_share": s.stats.to_json()["draft_share"]}
                   for k, (p, s) in by_kind.items()},
         "prompts": rows,
-        "all_identical_to_plain": all(r["identical_to_plain"] for r in rows) if temperature == 0 else None,
+        "all_identical_to_plain": all(r["identical_to_plain"] for r in rows),
     }
     log(f"\noverall: speedup x{result['speedup']:.3f}  plain {result['plain']['tokens_per_s']:.1f} tok/s  "
         f"spec {result['spec']['tokens_per_s']:.1f} tok/s  acceptance {result['acceptance_rate']:.3f}  "
