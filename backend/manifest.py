@@ -120,6 +120,15 @@ class ModelConfig:
                 "attn_logit_softcap": bool(self.attn_logit_softcap)}
         return [k for k, v in used.items() if v]
 
+    def llama_layer(self, **changes) -> "ModelConfig":
+        """This model's numbers on the plain Llama layer (every feature above cleared; rope keeps
+        the global base and scaling): an EAGLE head's layer, whatever family its target is
+        (build/heads/eagle.py, train/eagle_model.py), with `changes` (the head's own shape)."""
+        plain = dict(activation="silu", qk_norm=False, post_norms=False, sliding_window=0, layer_types=(),
+                     rope_local_theta=None, embed_scale=1.0, attn_scale=None, final_logit_softcap=0.0,
+                     attn_logit_softcap=0.0)
+        return dataclasses.replace(self, **{**plain, **changes})
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

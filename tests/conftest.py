@@ -126,8 +126,10 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
     return path
 
 
-def random_head(manifest, out: Path, vocab_size: int, seed: int = 0) -> Path:
-    """A random-weight EAGLE head for a built tiny target, saved as train/eagle_train saves one."""
+def random_head(manifest, out: Path, vocab_size: int, seed: int = 0, **shape) -> Path:
+    """A random-weight EAGLE head for a built tiny target, saved as train/eagle_train saves one;
+    `shape`: the head's own num_heads / num_kv_heads / head_dim / intermediate_size (default: the
+    target's)."""
     import torch
 
     from backend.build.checkpoint import load_checkpoint
@@ -141,8 +143,9 @@ def random_head(manifest, out: Path, vocab_size: int, seed: int = 0) -> Path:
     vocab = np.sort(np.random.default_rng(seed).choice(mc.vocab_size, vocab_size, replace=False))
     cfg = {"hidden_size": mc.hidden_size, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
            "head_dim": mc.head_dim, "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
-           "rope_theta": mc.rope_theta, "draft_vocab_size": vocab_size, "target_vocab_size": mc.vocab_size}
-    cos, sin = rope_tables(mc, manifest.max_seq_len)
+           "rope_theta": mc.rope_theta, "draft_vocab_size": vocab_size, "target_vocab_size": mc.vocab_size,
+           **shape}
+    cos, sin = rope_tables(mc.llama_layer(head_dim=cfg["head_dim"]), manifest.max_seq_len)
     embed = ck.tensor("embed").float32()
     model = EagleHead(cfg, embed, embed[vocab], cos, sin)
     save_head(out, model, cfg, vocab, manifest, {})

@@ -118,21 +118,3 @@ def test_gpu_devices_refuse_what_they_do_not_implement(tmp_path):
             build(BuildConfig(target=str(ckpt), output=tmp_path / device.value, device=device, quiet=True,
                               measure_costs=False))
         assert not (tmp_path / device.value / "specdec").exists()
-
-
-def test_an_eagle_head_for_gemma3_is_refused_in_one_line(tmp_path):
-    """EAGLE heads are Llama-layer heads: for a target using more of the model description the
-    build refuses the head with a clear error (CheckpointError: one line on the CLI) instead of
-    failing on a missing tensor."""
-    from backend.build.checkpoint import CheckpointError
-    from backend.build.heads.eagle import check_target
-    from backend.manifest import ModelConfig
-
-    llama = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 256, True)
-    check_target(llama)
-    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3", layers=2)
-    with pytest.raises(CheckpointError, match=r"EAGLE heads for gemma3 .* qk_norm"):
-        check_target(load_checkpoint(str(ckpt)).config)
-    with pytest.raises(CheckpointError, match="EAGLE heads for gemma3"):
-        build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", quiet=True, measure_costs=False,
-                          weights=(WeightFormat.GGUF,), drafts=(f"eagle:{tmp_path / 'nohead'}",)))

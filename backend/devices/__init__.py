@@ -10,8 +10,6 @@ backend/engine_format.py; tests/test_layering.py).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from backend.config import RuntimeOptions
 from backend.devices.base import BuildContext, EngineBackend, EngineRef
 from backend.devices.cuda import CudaBackend
@@ -95,8 +93,10 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     if engine not in manifest.drafts:
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
     d = manifest.drafts[engine]
-    if d.kind == "eagle":
-        cfg = replace(manifest.model, vocab_size=d.draft_vocab_size, num_layers=1)
+    if d.kind == "eagle":                    # a Llama layer of the head's own shape (any target family)
+        from backend.build.heads.eagle import head_config
+
+        cfg = head_config(manifest.model, d.head, d.draft_vocab_size)
     else:
         cfg = d.model or manifest.model
     backend = backend_for(manifest.device, d.weights or manifest.default_format)

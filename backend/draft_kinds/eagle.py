@@ -32,17 +32,13 @@ class EagleKind(DraftKind):
 
     def target_features(self, spec, cfg):
         from backend.build import drafts as drafts_mod
-        from backend.build.heads.eagle import check_target
         from backend.build.heads.formats import feature_layers, head_meta
 
-        check_target(cfg)                    # a target whose layer the head cannot follow: refused first
         return feature_layers(head_meta(drafts_mod.head_dir(spec)), cfg.num_layers)
 
     def export(self, ctx, spec, backend, serving):
         from backend.build import drafts as drafts_mod
-        from backend.build.heads.eagle import check_target
 
-        check_target(ctx.ck.config)          # a target whose layer the head cannot follow: refused
         return backend.export_head(ctx, drafts_mod.head_dir(spec), serving)
 
     def time(self, manifest, context, reps, steps: int = 6):

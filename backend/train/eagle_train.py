@@ -256,9 +256,6 @@ def train(cfg: TrainConfig) -> Path:
     out, work = Path(cfg.out), Path(cfg.work)
     out.mkdir(parents=True, exist_ok=True)
     manifest = EngineManifest.load(cfg.engine_dir)
-    from backend.build.heads.eagle import check_target
-
-    check_target(manifest.model)                    # before any data is made
     shards, val_shards, t_data = prepare_data(cfg, manifest, Tokenizer.from_manifest(manifest))
     seqs = [q for source, paths in shards.items() for q in _load_shards(paths, source)]
     n_tok = sum(len(s["tokens"]) for s in seqs)                     # distinct tokens
@@ -274,7 +271,7 @@ def train(cfg: TrainConfig) -> Path:
     ck = load_checkpoint(manifest.source)
     embed = ck.tensor("embed").float32()
     head_rows = ck.tensors.get("lm_head", ck.tensor("embed")).float32()[vocab]
-    cos, sin = rope_tables(mc, manifest.max_seq_len)
+    cos, sin = rope_tables(mc.llama_layer(), manifest.max_seq_len)   # the head is a Llama layer
     hcfg = {"hidden_size": mc.hidden_size, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
             "head_dim": mc.head_dim, "intermediate_size": mc.intermediate_size,
             "rms_norm_eps": mc.rms_norm_eps, "rope_theta": mc.rope_theta,

@@ -10,7 +10,6 @@ features only, never to the head's own, so the drafter runs it on the host at ca
 every runtime."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,20 +20,18 @@ from backend.manifest import WeightFormat
 
 EAGLE_ONNX = "draft_eagle.onnx"
 EAGLE_NATIVE = "draft_eagle.bin"
-# what an EAGLE head's layer implements of the target's model description beyond the Llama layer
-# (manifest.ModelConfig.features): none yet, so a head for Gemma-3 is refused, not mis-built
-HEAD_FEATURES: frozenset[str] = frozenset()
 
 
-def check_target(model) -> None:
-    """Refuse (one line) a target whose description an EAGLE head cannot follow: its layer, its
-    embedding and its features are the Llama family's (train/eagle_model.py)."""
-    from backend.build.checkpoint import CheckpointError
-
-    missing = sorted(set(model.features()) - HEAD_FEATURES)
-    if missing:
-        raise CheckpointError(f"EAGLE heads for {model.architecture} are not supported yet: the head's layer "
-                              f"does not implement {', '.join(missing)} (prompt lookup and self:N drafts work)")
+def head_config(target, cfg: dict, vocab_size: int):
+    """The head's model description: a Llama layer (whatever the target's family: the EAGLE heads
+    published and ours are Llama layers reading the target's raw embedding rows and features) of
+    the head's own shape, at the target's width and global rope."""
+    return target.llama_layer(vocab_size=int(vocab_size), num_layers=1, tie_word_embeddings=False,
+                              attention_bias=False, num_heads=int(cfg["num_heads"]),
+                              num_kv_heads=int(cfg["num_kv_heads"]), head_dim=int(cfg["head_dim"]),
+                              intermediate_size=int(cfg["intermediate_size"]),
+                              rms_norm_eps=float(cfg.get("rms_norm_eps", target.rms_norm_eps)),
+                              rope_theta=float(cfg.get("rope_theta") or target.rope_theta))
 
 
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
@@ -43,11 +40,6 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
     from backend.build.heads.formats import read_head
 
     cfg, w = read_head(head_dir)
-    shape = (cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["intermediate_size"])
-    own = (target.config.num_heads, target.config.num_kv_heads, target.config.head_dim, target.config.intermediate_size)
-    if shape != own:
-        raise ValueError(f"EAGLE head {head_dir}: heads / KV heads / head dim / MLP width {shape} differ from "
-                         f"the target's {own}")
     if cfg["target_vocab_size"] != target.config.vocab_size or cfg["hidden_size"] != target.config.hidden_size:
         raise ValueError(f"EAGLE head {head_dir} was trained for a target with vocab "
                          f"{cfg['target_vocab_size']} / hidden {cfg['hidden_size']}, not this one "
@@ -59,8 +51,7 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
                for k, v in w.items() if k != "draft_vocab" and not (eagle3 and k == "fc")}
     tensors["embed"] = target.tensor("embed")
     tensors["lm_head"] = SourceTensor("lm_head", "F32", head.shape, head)
-    config = replace(target.config, vocab_size=int(vocab.size), num_layers=1,
-                     tie_word_embeddings=False, attention_bias=False)
+    config = head_config(target.config, cfg, vocab.size)
     return Checkpoint(config, tensors, TokenizerSource(), str(head_dir)), vocab
 
 

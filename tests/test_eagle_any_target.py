@@ -1,0 +1,71 @@
+"""EAGLE heads for any supported target (issue 27 point 4): a head is a Llama layer of its own
+shape (build/heads/eagle.head_config) reading the target's raw embedding rows and features, so it
+serves a Gemma-3 target as well as a Llama one, and a head whose heads / head dim / MLP width differ
+from the target's loads too. Each: the head engine equals the torch head model, and greedy EAGLE
+speculation is token-identical to plain decoding on the native and ONNX engines."""
+import numpy as np
+import pytest
+
+from backend.build.pipeline import BuildConfig, build
+from backend.manifest import WeightFormat
+from conftest import assert_greedy_identity, chain, make_tiny_checkpoint, random_head, spec_decoder
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+CASES = {"gemma3": ("gemma3", {}),
+         "own_shape": ("llama", dict(num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=96))}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def with_head(request, tmp_path_factory):
+    arch, shape = CASES[request.param]
+    d = tmp_path_factory.mktemp(f"eagle_{request.param}")
+    ckpt = make_tiny_checkpoint(d / "ckpt", arch, layers=2)
+    m = build(BuildConfig(target=str(ckpt), output=d / "plain", quiet=True, measure_costs=False,
+                          weights=(WeightFormat.FP32,)))
+    head = random_head(m, d / "head", vocab_size=96, **shape)
+    repos = {fmt: build(BuildConfig(target=str(ckpt), output=d / fmt, quiet=True, measure_costs=False,
+                                    weights=(WeightFormat(fmt),), drafts=(f"eagle:{head}",)))
+             for fmt in ("gguf", "fp32")}         # the head on the native kernel, and on ONNX Runtime
+    return repos, head, shape
+
+
+def test_the_head_engine_equals_the_torch_head(with_head, tmp_path):
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.build.heads.eagle import head_checkpoint
+    from backend.devices import load_runtime
+    from backend.train.eagle_model import EagleHead, causal_mask
+    from backend.train.eagle_train import load_head
+
+    repos, head_dir, shape = with_head
+    m = repos["fp32"]
+    cfg, w = load_head(head_dir)
+    ck = load_checkpoint(m.source)
+    hck, _ = head_checkpoint(head_dir, ck)
+    assert hck.config.features() == [] and hck.config.hidden_size == m.model.hidden_size
+    assert all(getattr(hck.config, k) == v for k, v in shape.items())
+    cos, sin = rope_tables(m.model.llama_layer(head_dim=cfg["head_dim"]), m.max_seq_len)
+    model = EagleHead(cfg, ck.tensor("embed").float32(), hck.tensor("lm_head").float32(), cos, sin)
+    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
+    rng = np.random.default_rng(0)
+    t = 11
+    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
+    toks = rng.integers(0, m.model.vocab_size, (1, t))
+    with torch.no_grad():
+        f_ref, l_ref = model(torch.from_numpy(feats), torch.from_numpy(toks), torch.arange(t)[None], causal_mask(t))
+    for fmt, m in repos.items():
+        rt = load_runtime(m, engine="eagle")
+        rt.alloc(0)
+        out = rt.forward([0], toks, chain(t), np.arange(t)[None], {"features": feats})
+        tol = 1e-4 if fmt == "fp32" else 0.05    # the native head in Q8_0 blocks
+        np.testing.assert_allclose(out.hidden[0], f_ref[0].numpy(), rtol=tol, atol=tol)
+        np.testing.assert_allclose(out.logits[0], l_ref[0].numpy(), rtol=tol, atol=tol)
+        rt.close()
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "fp32"])
+def test_greedy_eagle_speculation_is_plain(with_head, fmt):
+    m = with_head[0][fmt]
+    assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4), "eagle")
