@@ -69,3 +69,26 @@ def test_the_head_engine_equals_the_torch_head(with_head, tmp_path):
 def test_greedy_eagle_speculation_is_plain(with_head, fmt):
     m = with_head[0][fmt]
     assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4), "eagle")
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "fp32"])
+def test_medusa_heads_serve_a_gemma3_target(tmp_path, fmt):
+    """Medusa heads read the target's last final-norm hidden state whatever its family: on a
+    Gemma-3 target they build, are priced, and greedy speculation with them is plain."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from test_medusa import HEADS, LAYERS, medusa_heads
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gemma3", layers=2)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    heads = medusa_heads(cfg["hidden_size"], cfg["vocab_size"], seed=4)
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "config.json").write_text(json.dumps({"medusa_num_heads": HEADS, "medusa_num_layers": LAYERS}))
+    save_file({k: v.detach().contiguous() for k, v in heads.state_dict().items()},
+              str(tmp_path / "medusa" / "medusa_lm_head.safetensors"))
+    m = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", weights=(WeightFormat(fmt),),
+                          drafts=(f"medusa:{tmp_path / 'medusa'}",), quiet=True))
+    assert m.cost_model["draft_step_s"]["medusa"] > 0
+    assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=HEADS), "medusa")
