@@ -11,6 +11,8 @@ sequence entries below n - window (n the sequence's length: the node is at posit
 starts the loop at the aligned block that holds the first visible one (a block of masked keys
 only would make the online softmax's running max -inf and its rescale NaN); the blocks are
 still aligned at column 0, so the window keeps the sums a function of the node's sequence.
+An attention-logit soft-cap (Gemma-2; 0: none) bends each score, cap tanh(score / cap), before
+the mask: tanh from exp(-2|x|) (no overflow), per element, so it keeps that too.
 
 verify: one program per row walks its tree: at each node the target's token (argmax; or, sampled,
 argmax of p / E over the kept set, E the Philox noise of the node's output position, made here
@@ -46,14 +48,23 @@ def interpreted() -> bool:
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) = sign(x) (1 - t) / (1 + t), t = exp(-2|x|) (the native kernel's tanh8)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr,
-                            paths_ptr, scale, window, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t, sn_h,
-                            so_b, so_t, so_h, sp_b, sp_t, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                            paths_ptr, scale, window, softcap, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t,
+                            sn_h, so_b, so_t, so_h, sp_b, sp_t, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NEW: tl.constexpr):
     """One (row, node, KV head). NEW: this forward's nodes (scratch index >= n_prior) are read
     from kn/vn [B, T, Hkv, D] rather than the cache (the plugin: TensorRT's inputs are read-only,
     the runtime writes them to the cache after the step); the same values in the same order.
-    window: the layer's sliding window (0: none), a scalar or a constexpr."""
+    window: the layer's sliding window (0: none), softcap: the scores' soft-cap (0: none); each
+    a scalar or a constexpr."""
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     b = pid // T
@@ -102,6 +113,8 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
             v = tl.load(v_ptr + kv_base + col[:, None] * sk_l + d[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if softcap > 0:
+            s = softcap * _tanh(s / softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -115,13 +128,13 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
 
 @triton.jit
 def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_ptr, scale,
-                          window, T, P,
+                          window, softcap, T, P,
                           sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, so_b, so_t, so_h, sp_b, sp_t,
                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                           BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """The GPU runtime's: the forward's nodes are in the cache already; window a scalar."""
+    """The GPU runtime's: the forward's nodes are in the cache already; window, softcap scalars."""
     _tree_attention_program(q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, ctx_ptr, paths_ptr,
-                            scale, window, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, 0, 0, 0, so_b, so_t, so_h,
+                            scale, window, softcap, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, 0, 0, 0, so_b, so_t, so_h,
                             sp_b, sp_t, G, BLOCK_G, BLOCK_P, BLOCK_N, D, False)
 
 
@@ -129,13 +142,14 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, paths_
 def tree_attention_plugin_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
                                  T, P, L, o_ptr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                                 SCALE: tl.constexpr, WINDOW: tl.constexpr):
+                                 SCALE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """The TensorRT plugin's (plugins/trt_plugins.py): inputs, scalars, output, as TensorRT
-    passes them; contiguous tensors, strides from the shapes; scale and window compiled in."""
+    passes them; contiguous tensors, strides from the shapes; scale, window and soft-cap
+    compiled in."""
     hq = HKV * G
     _tree_attention_program(q_ptr, kc_ptr, vc_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr, paths_ptr,
-                            SCALE, WINDOW, T, P, T * hq * D, hq * D, D, HKV * L * D, L * D, D, T * HKV * D, HKV * D, D,
-                            T * hq * D, hq * D, D, T * P, P, G, BLOCK_G, BLOCK_P, BLOCK_N, D, True)
+                            SCALE, WINDOW, SOFTCAP, T, P, T * hq * D, hq * D, D, HKV * L * D, L * D, D, T * HKV * D,
+                            HKV * D, D, T * hq * D, hq * D, D, T * P, P, G, BLOCK_G, BLOCK_P, BLOCK_N, D, True)
 
 
 @triton.jit
@@ -294,9 +308,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, window: int = 0):
+def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, window: int = 0,
+                   softcap: float = 0.0):
     """Launch tree_attention (torch tensors; shapes in plugins/reference.py; window: the layer's
-    sliding window, 0 none) -> o [B, T, Hq, D]."""
+    sliding window, 0 none; softcap: the scores' soft-cap, 0 none) -> o [B, T, Hq, D]."""
     import torch
 
     b, t, hq, d = q.shape
@@ -308,7 +323,7 @@ def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, win
     o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
     paths = paths.contiguous()
     tree_attention_kernel[(b * t, hkv)](
-        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), t, paths.shape[2],
+        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), float(softcap), t, paths.shape[2],
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), paths.stride(0), paths.stride(1),
         G=g, BLOCK_G=max(16, _next_pow2(g)), BLOCK_P=max(16, _next_pow2(paths.shape[2])),
@@ -337,7 +352,7 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
 
 
 def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, scale: float,
-                          window: int = 0):
+                          window: int = 0, softcap: float = 0.0):
     """Launch the plugin's tree attention as TensorRT does (contiguous torch tensors; the
     contract of specdec::tree_attention, build/engine_graph.py) -> o [B, T, Hq, D]."""
     import torch
@@ -349,7 +364,7 @@ def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, pa
     tree_attention_plugin_kernel[(b * t, hkv)](
         c(q), c(k), c(v), c(k_cache), c(v_cache), c(slots), c(ctx_len), c(n_prior), c(paths), t, paths.shape[2], l_, o,
         HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _next_pow2(hq // hkv)), BLOCK_P=PLUGIN_BLOCK_P, BLOCK_N=BLOCK_N, D=d,
-        SCALE=float(scale), WINDOW=int(window))
+        SCALE=float(scale), WINDOW=int(window), SOFTCAP=float(softcap))
     return o
 
 
@@ -378,9 +393,9 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
     """Kernel name -> (jit function, signature, constexprs) of the variants the GPU runtime
     launches, for compiling ahead of time (CI's PTX check, TensorRT plugins)."""
     attn = {"q_ptr": f"*{kv_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}", "o_ptr": "*fp32",
-            "slots_ptr": "*i32", "ctx_ptr": "*i32", "paths_ptr": "*i32", "scale": "fp32", "window": "i32", "T": "i32",
-            "P": "i32", **{n: "i32" for n in _STRIDES}, "G": "constexpr", "BLOCK_G": "constexpr",
-            "BLOCK_P": "constexpr", "BLOCK_N": "constexpr", "D": "constexpr"}
+            "slots_ptr": "*i32", "ctx_ptr": "*i32", "paths_ptr": "*i32", "scale": "fp32", "window": "i32",
+            "softcap": "fp32", "T": "i32", "P": "i32", **{n: "i32" for n in _STRIDES}, "G": "constexpr",
+            "BLOCK_G": "constexpr", "BLOCK_P": "constexpr", "BLOCK_N": "constexpr", "D": "constexpr"}
     ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp64",
            "topk_ptr": "*i32", "topp_ptr": "*fp64", "minp_ptr": "*fp64", "seeds_ptr": "*i64",
            "pos_ptr": "*i64", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32", "T": "i32",
@@ -408,13 +423,15 @@ def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
 
 
 def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, num_kv_heads: int = 8,
-                      scale: float = 1.0, window: int = 0) -> dict:
+                      scale: float = 1.0, window: int = 0, softcap: float = 0.0) -> dict:
     """Plugin name -> (jit function, signature, constexprs) of the TensorRT plugins' kernels
-    (the attention's scale and sliding window are compiled in: one PTX per distinct pair)."""
+    (the attention's scale, sliding window and soft-cap are compiled in: one PTX per distinct
+    triple)."""
     attn = {**{n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr")}, "kc_ptr": f"*{kv_dtype}", "vc_ptr": f"*{kv_dtype}",
             **{n: "*i32" for n in ("slots_ptr", "ctx_ptr", "nprior_ptr", "paths_ptr")},
             "T": "i32", "P": "i32", "L": "i32", "o_ptr": "*fp32",
-            **{n: "constexpr" for n in ("HKV", "G", "BLOCK_G", "BLOCK_P", "BLOCK_N", "D", "SCALE", "WINDOW")}}
+            **{n: "constexpr" for n in ("HKV", "G", "BLOCK_G", "BLOCK_P", "BLOCK_N", "D", "SCALE", "WINDOW",
+                                        "SOFTCAP")}}
     ver = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i32", "temp_ptr": "*fp32",
            "topk_ptr": "*i32", "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seeds_ptr": "*i64", "pos_ptr": "*i64",
            "T": "i32", "R": "i32", "V": "i32", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32",
@@ -423,7 +440,7 @@ def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 
         "tree_attention": (tree_attention_plugin_kernel, attn,
                            {"HKV": num_kv_heads, "G": group, "BLOCK_G": max(16, _next_pow2(group)),
                             "BLOCK_P": PLUGIN_BLOCK_P, "BLOCK_N": BLOCK_N, "D": head_dim, "SCALE": float(scale),
-                            "WINDOW": int(window)}),
+                            "WINDOW": int(window), "SOFTCAP": float(softcap)}),
         "rejection_sample": (verify_plugin_kernel, ver, {"BLOCK_T": PLUGIN_MAX_NODES, "BLOCK_V": BLOCK_V}),
     }
 

@@ -16,12 +16,13 @@ _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.d
 @onnx_op(op_type="specdec::tree_attention", inputs=[_F, _F, _F, _F, _F, _I32, _I32, _I32, _I32],
          outputs=[_F], attrs={"scale": PyCustomOpDef.dt_float, "num_heads": PyCustomOpDef.dt_int64,
                               "num_kv_heads": PyCustomOpDef.dt_int64, "head_dim": PyCustomOpDef.dt_int64,
-                              "window": PyCustomOpDef.dt_int64, "plugin_namespace": PyCustomOpDef.dt_string,
+                              "window": PyCustomOpDef.dt_int64, "softcap": PyCustomOpDef.dt_float,
+                              "plugin_namespace": PyCustomOpDef.dt_string,
                               "plugin_version": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
 def tree_attention(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, **attrs):
     kc, vc = write_nodes(k_cache, v_cache, k, v, slots, ctx_len, n_prior)
     return tree_attention_ref(q, kc, vc, slots, ctx_len, paths, float(attrs.get("scale", 1.0)),
-                              int(attrs.get("window", 0)))
+                              int(attrs.get("window", 0)), float(attrs.get("softcap", 0.0)))
 
 
 @onnx_op(op_type="specdec::rejection_sample", inputs=[_F, _I64, _I32, _F, _I32, _F, _F, _I64, _I64],

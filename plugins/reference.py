@@ -1,6 +1,6 @@
 """The GPU ops' contracts and their numpy references (the spec every kernel is tested against).
 
-tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale, window=0) -> o
+tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale, window=0, softcap=0) -> o
     q        [B, T, Hq, D]   queries of the T new nodes of each row, rotary applied, not scaled
     k_cache  [S, Hkv, L, D]  one layer's keys, one slot per sequence: a row's committed keys at
     v_cache  [S, Hkv, L, D]  columns [0, ctx_len), its scratch nodes' keys right after them
@@ -17,6 +17,8 @@ tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale, window=0) -> o
                              counted along its path (committed column c is position c, its
                              ancestor at depth i position ctx_len + i): a node with a path of
                              n entries sees sequence entries >= ctx_len + n - window
+    softcap  float           an attention-logit soft-cap (Gemma-2; 0: none): each score (q.k
+                             scale) becomes softcap tanh(score / softcap) before the mask
     o        [B, T, Hq, D]   float32. GQA: query head h reads KV head h // (Hq / Hkv).
     Masked: nothing else. Positions (rotary) come from tree depth: ctx_len + depth, applied by
     the caller before the keys are written. The kernel reads each node's keys in the order of
@@ -49,10 +51,11 @@ from backend.verify import pad_verdicts, verify_tree
 
 
 def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
-                       ctx_len: np.ndarray, paths: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
+                       ctx_len: np.ndarray, paths: np.ndarray, scale: float, window: int = 0,
+                       softcap: float = 0.0) -> np.ndarray:
     """Per row: every node against the committed columns and its scratch ancestors (those within
-    `window` positions of it, where a window is given), in float64 (rounded once to float32, so
-    rows are the same whatever else is in the batch)."""
+    `window` positions of it, where a window is given), the scores soft-capped where `softcap`
+    is, in float64 (rounded once to float32, so rows are the same whatever else is in the batch)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert hq % hkv == 0 and v_cache.shape == k_cache.shape and paths.shape[:2] == (b, t), \
@@ -76,6 +79,8 @@ def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
                 visible[j, ctx + path[: max(lo - ctx, 0)]] = False
         qq = q[r].astype(np.float64).reshape(t, hkv, g, d)
         s = np.einsum("thgd,hcd->thgc", qq, k) * scale
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
         s = np.where(visible[:, None, None, :], s, -np.inf)
         w = np.exp(s - np.maximum(s.max(-1, keepdims=True), -1e300))
         w /= np.maximum(w.sum(-1, keepdims=True), 1e-300)          # nothing visible: 0

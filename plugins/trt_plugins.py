@@ -9,11 +9,11 @@ TensorRT passes an AOT kernel its input pointers, then the `extra_args` scalars,
 pointers: the `*_plugin_kernel`s of kernels.py take exactly that order and derive strides from
 the (contiguous) shapes; kernels.compile_plugin cuts the scratch pointers Triton >= 3.3 appends
 to a kernel's parameters (unused here), so the PTX takes exactly those. Attributes are not
-stored in an AOT engine: scale, the sliding window (the layer's; 0: none) and the head counts
-are compiled into the PTX as constants. The ONNX parser finds a plugin by the node's op type
-and its `plugin_namespace` attribute ("specdec"), passes only the declared attributes (as
-int32 / float32), and `aot` = 1 asks for this implementation; this module must be imported
-before parsing (build/trt_engine.py does).
+stored in an AOT engine: scale, the sliding window (the layer's; 0: none), the scores' soft-cap
+(Gemma-2's; 0: none) and the head counts are compiled into the PTX as constants. The ONNX
+parser finds a plugin by the node's op type and its `plugin_namespace` attribute ("specdec"),
+passes only the declared attributes (as int32 / float32), and `aot` = 1 asks for this
+implementation; this module must be imported before parsing (build/trt_engine.py does).
 Knows: TensorRT's plugin API, the kernels' signatures. Does not know: graphs, runtimes.
 """
 # No `from __future__ import annotations`: TensorRT reads these functions' annotations as classes.
@@ -46,7 +46,7 @@ def _arch() -> int:
 def tree_attention_desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                         v_cache: trtp.TensorDesc, slots: trtp.TensorDesc, ctx_len: trtp.TensorDesc,
                         n_prior: trtp.TensorDesc, paths: trtp.TensorDesc, scale: float, num_heads: int,
-                        num_kv_heads: int, head_dim: int, window: int) -> Tuple[trtp.TensorDesc]:
+                        num_kv_heads: int, head_dim: int, window: int, softcap: float) -> Tuple[trtp.TensorDesc]:
     """o [B, T, Hq, D] float32: q's shape (plugins/reference.py, tree_attention after the new
     nodes are written to their columns)."""
     o = q.like()
@@ -58,7 +58,7 @@ def tree_attention_desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDe
 def tree_attention_tune(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                         v_cache: trtp.TensorDesc, slots: trtp.TensorDesc, ctx_len: trtp.TensorDesc,
                         n_prior: trtp.TensorDesc, paths: trtp.TensorDesc, scale: float, num_heads: int,
-                        num_kv_heads: int, head_dim: int, window: int,
+                        num_kv_heads: int, head_dim: int, window: int, softcap: float,
                         outputs: Tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
     return [trtp.AutoTuneCombination("FP32, FP32, FP32, FP32, FP32, INT32, INT32, INT32, INT32, FP32", "LINEAR")]
 
@@ -67,11 +67,12 @@ def tree_attention_tune(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDe
 def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, k_cache: trtp.TensorDesc,
                        v_cache: trtp.TensorDesc, slots: trtp.TensorDesc, ctx_len: trtp.TensorDesc,
                        n_prior: trtp.TensorDesc, paths: trtp.TensorDesc, scale: float, num_heads: int,
-                       num_kv_heads: int, head_dim: int, window: int, outputs: Tuple[trtp.TensorDesc], tactic: int
+                       num_kv_heads: int, head_dim: int, window: int, softcap: float,
+                       outputs: Tuple[trtp.TensorDesc], tactic: int
                        ) -> Tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
     ptx, name, shared = kernels.compile_plugin("tree_attention", _arch(), kv_dtype=_PTR[k_cache.dtype][1:],
                                                head_dim=head_dim, group=num_heads // num_kv_heads,
-                                               scale=scale, window=window, num_warps=NUM_WARPS)
+                                               scale=scale, window=window, softcap=softcap, num_warps=NUM_WARPS)
     launch = trtp.KernelLaunchParams()
     launch.grid_x = q.shape_expr[0] * q.shape_expr[1]       # one program per (row, node) ...
     launch.grid_y = num_kv_heads                            # ... and KV head

@@ -164,7 +164,7 @@ F, I32, I64 = trt.DataType.FLOAT, trt.DataType.INT32, trt.DataType.INT64
 res = {"which": which, "registered": trt_plugins.registered()}
 ca = reg.get_creator("tree_attention", "1", "specdec")
 res["fields"] = [f.name for f in ca.field_names]
-pa = ca.create_plugin("tree_attention", "specdec", fields([("scale", 1.0), ("num_heads", 4), ("num_kv_heads", 2), ("head_dim", 16), ("window", 0)]),
+pa = ca.create_plugin("tree_attention", "specdec", fields([("scale", 1.0), ("num_heads", 4), ("num_kv_heads", 2), ("head_dim", 16), ("window", 0), ("softcap", 0.0)]),
                       trt.TensorRTPhase.BUILD, trt.QuickPluginCreationRequest.STRICT_AOT)
 res["attn"] = [type(pa).__name__, [str(x) for x in pa.get_output_data_types([F] * 5 + [I32] * 4, [4, 4, 4, 4, 4, 1, 1, 1, 3])]]
 cv = reg.get_creator("rejection_sample", "1", "specdec")
@@ -176,7 +176,7 @@ B, T, HQ, HKV, D, S, L, P, V = 2, 5, 4, 2, 16, 3, 80, 5, 96
 q = d((B, T, HQ, D), trt.float32)
 ins = [q, d((B, T, HKV, D), trt.float32), d((B, T, HKV, D), trt.float32), d((S, HKV, L, D), trt.float32),
        d((S, HKV, L, D), trt.float32)] + [d((B,), trt.int32)] * 3 + [d((B, T, P), trt.int32)]
-name, ptx, launch, extra = trt_plugins.tree_attention_aot(*ins, 1.0, HQ, HKV, D, 0, (q,), 0)
+name, ptx, launch, extra = trt_plugins.tree_attention_aot(*ins, 1.0, HQ, HKV, D, 0, 0.0, (q,), 0)
 res["attn_aot"] = [name, ".entry " + name in ptx, ".target sm_90" in ptx, len(extra)]
 vin = [d((B, T, V), trt.float32), d((B, T), trt.int64), d((B, T), trt.int32), d((B,), trt.float32), d((B,), trt.int32),
        d((B,), trt.float32), d((B,), trt.float32), d((B,), trt.int64), d((B,), trt.int64)]

@@ -18,7 +18,8 @@ The tree input is the paths (at most T x T), never a mask over the cache. The pl
 trees of up to kernels.PLUGIN_MAX_NODES (64) nodes; the runtime verifies wider ones on the host. Op contracts:
 plugins/reference.py (`tree_attention` after writing the new nodes at columns
 ctx_len + n_prior + j of their slot, with the layer's sliding window as the node's `window`
-attribute; `verify` with float32 parameters and R = T).
+attribute and the model's attention soft-cap as its `softcap`; `verify` with float32 parameters
+and R = T).
 Knows: the plugin nodes' wiring. Does not know: weights (graph.py).
 """
 from __future__ import annotations
@@ -47,7 +48,8 @@ class PluginAttention:
         """Layer i's attention: q [B,T,Hq,D], k and v [B,T,Hkv,D] -> [B,T,Hq*D]. q carries the
         model's scale already (graph.py folds cfg.scale into Wq, or into the q norm's weight
         where q is normed), so the node's `scale` is 1; `window`: the layer's sliding window
-        (cfg.window(i); 0: none), counted along each node's path (plugins/reference.py)."""
+        (cfg.window(i); 0: none), counted along each node's path (plugins/reference.py); the
+        scores' soft-cap is the model's (cfg.attn_logit_softcap; 0: none)."""
         g, cfg = self.g, self.cfg
         nkv, d = cfg.num_kv_heads, cfg.head_dim
         kc, vc = f"k_cache_{i}", f"v_cache_{i}"
@@ -58,7 +60,8 @@ class PluginAttention:
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", "T", nkv, d]))
         o = g.op("tree_attention", [q, k, v, kc, vc, "slots", "ctx_len", "n_prior", "paths"],
                  domain=DOMAIN, hint=f"l{i}.attention", scale=1.0, num_heads=cfg.num_heads,
-                 num_kv_heads=nkv, head_dim=d, window=int(window), **PLUGIN_ATTRS)
+                 num_kv_heads=nkv, head_dim=d, window=int(window), softcap=float(cfg.attn_logit_softcap),
+                 **PLUGIN_ATTRS)
         return g.op("Reshape", [o, g.i64(0, 0, cfg.num_heads * d)])
 
     def verify_tail(self, inputs: list, outputs: list) -> None:

@@ -306,6 +306,9 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         g.op("Concat", [past_k, k], axis=2, outputs=[pres_k])
         g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
         scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
+        if cfg.attn_logit_softcap:        # Gemma-2: cap tanh(scores / cap), before the mask
+            cap = g.f32(cfg.attn_logit_softcap)
+            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
         s = g.op("Add", [scores, bias_local if windows[i] else bias])   # [B, Hkv, G*T, S]
         e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
         e64 = g.op("Cast", [e], to=TensorProto.DOUBLE)

@@ -19,7 +19,8 @@ class CudaBackend(EngineBackend):
     any_feature_layers = True
     # runtime/torch_model.py, and the tree-attention kernel's sliding window (plugins/kernels.py)
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap"})
+                                "embed_scale", "attn_scale", "final_logit_softcap",
+                                "attn_logit_softcap"})
 
     def environment(self, ctx):
         from backend.build import torch_engine

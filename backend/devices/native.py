@@ -22,7 +22,8 @@ class NativeBackend(EngineBackend):
     defaults = (WeightFormat.GGUF,)
     any_feature_layers = True            # the kernel outputs whichever layers the runtime names
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap"})   # forward.c's flags
+                                "embed_scale", "attn_scale", "final_logit_softcap",
+                                "attn_logit_softcap"})   # forward.c's flags
 
     def missing(self):
         from backend.runtime import native

@@ -29,7 +29,8 @@ class TensorrtBackend(EngineBackend):
     # build/graph.py's layer (the engine graph's), its attention plugin's sliding window
     # (build/engine_graph.py, plugins/trt_plugins.py), FP8 calibrated by runtime/torch_model.py
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap"})
+                                "embed_scale", "attn_scale", "final_logit_softcap",
+                                "attn_logit_softcap"})
 
     def environment(self, ctx):
         from backend.build import trt_engine

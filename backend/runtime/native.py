@@ -54,7 +54,7 @@ class _Model(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
                                     "head_dim", "vocab", "max_pos")] + \
                [("eps", _F32), ("scale", _F32), ("act", _I32), ("embed_scale", _F32),
-                ("final_softcap", _F32), ("pad_", _I32),
+                ("final_softcap", _F32), ("attn_softcap", _F32),
                 ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
                 ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("fc", _Matrix), ("fc_bias", _P)]
@@ -124,7 +124,7 @@ class NativeABIError(UserError, RuntimeError):
 
 def expected_abi() -> dict[str, int]:
     """What this side was written against, in sd_abi's order (forward.c)."""
-    return {"abi version": 3, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+    return {"abi version": 4, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
             "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
             "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
             **kernel_abi()}
@@ -211,7 +211,7 @@ class NativeModel:
         self.layers = (_Layer * n)(*[layer(i) for i in range(n)])
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
                              c.vocab_size, header["max_positions"], c.rms_norm_eps, c.scale,
-                             ACTIVATIONS[c.activation], c.embed_scale, c.final_logit_softcap, 0,
+                             ACTIVATIONS[c.activation], c.embed_scale, c.final_logit_softcap, c.attn_logit_softcap,
                              _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))

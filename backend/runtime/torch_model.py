@@ -2,11 +2,12 @@
 (torch_rt.py): the math of the ONNX graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for
 Qwen2), q/k norms per head (Gemma-3), rotary by position (the sliding layers' own base where the
 model has one), GQA attention through the runtime's KV callback (q's multiplier cfg.scale, the
-layer's sliding window), norms on the attention and MLP outputs (Gemma), SwiGLU or GeGLU (tanh
-GELU), the scaled embedding, the final norm and the logits' soft-cap; an EAGLE head first maps
-[embedding of x, target feature] through `fc`; an EAGLE-3 head (`layers.0.hidden_norm`) takes the
-feature as its residual stream and attends over [norm(embedding), norm(feature)]. A target with
-`feature_layers` appends those layers' inputs to its features (EAGLE-3's, graph.py).
+layer's sliding window, the scores' soft-cap), norms on the attention and MLP outputs (Gemma),
+SwiGLU or GeGLU (tanh GELU), the scaled embedding, the final norm and the logits' soft-cap; an
+EAGLE head first maps [embedding of x, target feature] through `fc`; an EAGLE-3 head
+(`layers.0.hidden_norm`) takes the feature as its residual stream and attends over
+[norm(embedding), norm(feature)]. A target with `feature_layers` appends those layers' inputs to
+its features (EAGLE-3's, graph.py).
 
 Weights come from an engine file the build wrote (build/torch_engine.py), canonical names as in
 build/checkpoint.py, in one of three formats:
@@ -41,7 +42,8 @@ class KVAccess(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Queries [N, Hq, D] (rotary applied, not scaled) -> attention output [N, Hq, D], with
-        the model's scale and layer `layer`'s window (TorchModel.scale, .windows)."""
+        the model's scale and soft-cap and layer `layer`'s window (TorchModel.scale, .softcap,
+        .windows)."""
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +167,7 @@ class TorchModel:
                             if cfg.embed_scale != 1.0 else None)
         self.scale = cfg.scale                   # q's multiplier, applied by the attention
         self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
+        self.softcap = cfg.attn_logit_softcap    # the attention scores' soft-cap (Gemma-2), 0: none
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if w is None:

@@ -9,7 +9,8 @@ bookkeeping in kv_slots.py: joins and leaves cost nothing (no KV groups, unlike 
 runtime); commit moves the accepted nodes' columns down to the committed end (a few columns per
 row), so no garbage stays.
 A forward's tree attention reads each node's committed columns and its path (plugins/reference.py),
-on a sliding layer only the entries within the layer's window of the node's position.
+on a sliding layer only the entries within the layer's window of the node's position, the scores
+soft-capped where the model caps them.
 
 CUDA graphs: a decode-sized step (rows <= 64, nodes per row <= 32) is padded to a (batch, width)
 bucket and replays the graph captured for it on first use; inputs go through static buffers, so
@@ -171,8 +172,8 @@ class TorchRuntime(SlotSequences):
 
 class _SlotKV:
     """The model's KV callback for one forward: writes to the nodes' (slot, column), attention
-    (the model's scale, the layer's sliding window) through the kernel (GPU) or its numpy
-    reference (CPU)."""
+    (the model's scale and soft-cap, the layer's sliding window) through the kernel (GPU) or its
+    numpy reference (CPU)."""
 
     def __init__(self, rt: TorchRuntime, x: dict):
         self.rt, self.x = rt, x
@@ -187,16 +188,16 @@ class _SlotKV:
         b, t = self.x["ids"].shape
         q = q.view(b, t, q.shape[1], q.shape[2])
         kc, vc = self.rt.cache[layer, 0], self.rt.cache[layer, 1]
-        scale, window = self.rt.model.scale, self.rt.model.windows[layer]
+        scale, window, cap = self.rt.model.scale, self.rt.model.windows[layer], self.rt.model.softcap
         if self.rt.kernels:
             from plugins.kernels import tree_attention
 
             o = tree_attention(q.contiguous(), kc, vc, self.x["slots"], self.x["ctx"], self.x["paths"], scale,
-                               window)
+                               window, cap)
         else:
             from plugins.reference import tree_attention_ref
 
             o = torch.from_numpy(tree_attention_ref(
                 q.float().numpy(), kc.float().numpy(), vc.float().numpy(), self.x["slots"].numpy(),
-                self.x["ctx"].numpy(), self.x["paths"].numpy(), scale, window))
+                self.x["ctx"].numpy(), self.x["paths"].numpy(), scale, window, cap))
         return o.view(b * t, q.shape[2], q.shape[3])

@@ -73,7 +73,7 @@ size_t attend_work_floats(int tokens, int ctx, int path_len) {
  * arithmetic is the same as for a node alone: per-column scores, max, exp, the sum of sc[t] in 8
  * lanes, the weighted values summed over columns in order, even and odd columns apart (two
  * chains). */
-void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int window,
+void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, float softcap, int window,
                 const int64_t *pos, int ctx,
                 const int32_t *paths, int path_len, int tokens, const float *q, int ldq,
                 float *out, int ldo, float *work, const uint16_t *zero_col) {
@@ -120,6 +120,11 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, int 
             }
             _mm256_storeu_ps(tmp, scores8(qv + t * dv, dv, k8));
             for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
+        }
+        if (softcap > 0.0f) {                 /* Gemma-2: scores = cap tanh(scores / cap), before the masks */
+            const __m256 cap = _mm256_set1_ps(softcap);
+            for (int j = j_start; j < n; j += 8)
+                _mm256_storeu_ps(sc + j, _mm256_mul_ps(cap, tanh8(_mm256_div_ps(_mm256_loadu_ps(sc + j), cap))));
         }
         mask_tail(sc, n, (n + 7) & ~7);
         if (window > 0) {                     /* keys at positions <= pos - window */

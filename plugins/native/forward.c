@@ -52,7 +52,7 @@ typedef struct {
     int32_t act;                         /* SD_SILU | SD_GELU_TANH: the gated MLP's activation */
     float embed_scale;                   /* the embedding's multiplier (Gemma: sqrt(H)); 0 or 1: none */
     float final_softcap;                 /* logits = cap tanh(logits / cap); 0: none */
-    int32_t pad_;
+    float attn_softcap;                  /* attention scores likewise, before the mask (Gemma-2); 0: none */
     const float *rope_cos, *rope_sin;    /* [max_pos, D/2] */
     const float *norm;                   /* [H] */
     sd_matrix embed, lm_head;            /* embed: gathered one row per token */
@@ -258,8 +258,9 @@ static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const bu
         int n = s->row_start[row + 1] - s->row_start[row];
         if (n > 0)
             attend_row(kv_at(c, m, l, 0, s->slots[row], kh, 0), kv_at(c, m, l, 1, s->slots[row], kh, 0), d,
-                       m->scale, L->window, s->pos + r0, s->ctx[row], s->paths + r0 * s->path_len, s->path_len, n,
-                       b->qkv + r0 * nqkv + qh * d, nqkv, b->att + r0 * hq * d + qh * d, hq * d, work, b->zero_col);
+                       m->scale, m->attn_softcap, L->window, s->pos + r0, s->ctx[row], s->paths + r0 * s->path_len,
+                       s->path_len, n, b->qkv + r0 * nqkv + qh * d, nqkv, b->att + r0 * hq * d + qh * d, hq * d, work,
+                       b->zero_col);
     }
 }
 
@@ -392,7 +393,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */
-#define SD_ABI_VERSION 3   /* 3: model flags (Gemma-3), sliding windows, kernel_abi */
+#define SD_ABI_VERSION 4   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap */
 int sd_abi(int64_t *out, int n) {
     int64_t v[8 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
                          sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace)};

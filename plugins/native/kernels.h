@@ -207,10 +207,11 @@ SD_KERNEL size_t attend_work_floats(int tokens, int ctx, int path_len);
  * f16; node t sees the committed columns [0, ctx) and then its path (paths [tokens, path_len],
  * scratch column ids after ctx, -1 padded), in that order, so a plain step and a verify see the
  * same keys in the same order. q [tokens] rows ldq apart, out likewise ldo apart (d floats each);
- * scale multiplies q; zero_col [MAX_HEAD_DIM] f16 zeros. window > 0: node t (at position
- * pos[t]) sees only keys at positions > pos[t] - window, counted along its own path (the j-th
- * key a node sees, committed or on its path, is at position j). */
-SD_KERNEL void attend_row(const uint16_t *k, const uint16_t *v, int d, float scale, int window,
+ * scale multiplies q; softcap > 0: scores = softcap tanh(scores / softcap) before masking
+ * (Gemma-2's attention soft-cap; 0: none); zero_col [MAX_HEAD_DIM] f16 zeros. window > 0: node t
+ * (at position pos[t]) sees only keys at positions > pos[t] - window, counted along its own path
+ * (the j-th key a node sees, committed or on its path, is at position j). */
+SD_KERNEL void attend_row(const uint16_t *k, const uint16_t *v, int d, float scale, float softcap, int window,
                           const int64_t *pos, int ctx,
                           const int32_t *paths, int path_len, int tokens, const float *q, int ldq,
                           float *out, int ldo, float *work, const uint16_t *zero_col);
