@@ -169,13 +169,17 @@ def plan_path(onnx_path: Path) -> Path:
 
 def rope_tables(cfg: ModelConfig, max_positions: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_positions, head_dim/2], computed in float32 as transformers does; local: the
-    sliding layers' tables (rope_local_theta, unscaled: Gemma-3)."""
+    sliding layers' tables (rope_local_theta, unscaled: Gemma-3). Every engine reads these tables,
+    so a rope variant is data here: per-dimension divisors (rope_freq_factors), a scaling kind
+    (rope_scaling) and a factor on cos and sin (long-rope's attention factor)."""
     d = cfg.head_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64)
                                                         .astype(np.float32) / np.float32(d))))
     inv_freq = inv_freq.astype(np.float32)
     pos = np.arange(max_positions, dtype=np.float32)
+    if cfg.rope_freq_factors and not local:     # llama.cpp: theta_i = pos * base^(-2i/d) / factor_i
+        inv_freq = (inv_freq / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     rs = {} if local else (cfg.rope_scaling or {})
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
@@ -184,10 +188,38 @@ def rope_tables(cfg: ModelConfig, max_positions: int, local: bool = False) -> tu
         pos = pos / np.float32(rs["factor"])
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rs)
+    elif kind == "longrope":
+        return _longrope_tables(cfg, rs, max_positions)
     else:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
     freqs = np.outer(pos, inv_freq).astype(np.float32)
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def _longrope_tables(cfg: ModelConfig, rs: dict, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Long-rope (Phi-3; transformers' _compute_longrope_parameters): inv_freq_i = 1 / (f_i *
+    base^(2i/d)), f the short factors or the long ones, and cos/sin times the attention factor.
+
+    Which set: transformers picks one per forward (long once the forward's last position is at
+    or past original_max_position_embeddings; its cached keys keep the set they were rotated
+    with, and its generate() drops the cache at the crossing to recompute all with the long set);
+    llama.cpp and vLLM pick one per context size (the long set throughout for a context longer than
+    the original, at a cost on short sequences). An engine's cache needs a fixed function of
+    the position, so row p uses the short set for p < original and the long one past it. That is
+    transformers exactly for every sequence within the original context, whatever context the
+    engine is built for; past it, transformers' forward over its own cache, not generate()'s
+    recompute (all positions long). The price: past the original context, queries rotated with
+    the long set meet the first keys rotated with the short one."""
+    d = cfg.head_dim
+    shape = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    base = np.float32(cfg.rope_theta) ** shape
+    original = int(rs["original_max_position_embeddings"])
+    pos = np.arange(max_positions, dtype=np.float32)
+    short, long = ((np.float32(1.0) / (np.asarray(rs[k], np.float32) * base)).astype(np.float32)
+                   for k in ("short_factor", "long_factor"))
+    freqs = np.where((pos >= original)[:, None], np.outer(pos, long), np.outer(pos, short)).astype(np.float32)
+    scale = np.float32(rs["attention_factor"])
+    return (np.cos(freqs) * scale).astype(np.float32), (np.sin(freqs) * scale).astype(np.float32)
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, rs: dict) -> np.ndarray:

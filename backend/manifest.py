@@ -65,7 +65,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False          # q/k/v projections carry a bias (Qwen2)
-    rope_scaling: dict | None = None      # HF rope_scaling dict ("linear" or "llama3"), or None
+    # HF rope_scaling dict, or None: "linear" {factor}, "llama3" {factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings}, "longrope" {short_factor, long_factor,
+    # original_max_position_embeddings, attention_factor} (Phi-3; engine_format.rope_tables)
+    rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     activation: str = "silu"              # the gated MLP's: "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
@@ -78,6 +81,9 @@ class ModelConfig:
     attn_scale: float | None = None       # q's multiplier; None: 1/sqrt(head_dim)
     final_logit_softcap: float = 0.0      # logits = cap tanh(logits / cap) (Gemma-2); 0: none
     attn_logit_softcap: float = 0.0       # the same on attention scores (Gemma-2); 0: none
+    # per-dimension divisors [head_dim / 2] of rope's frequencies (llama.cpp's rope_freqs tensor:
+    # how a GGUF stores Llama-3.1's scaling); (): none. Global layers only, as rope_scaling
+    rope_freq_factors: tuple[float, ...] = ()
 
     ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -87,6 +93,7 @@ class ModelConfig:
         assert self.activation in self.ACTIVATIONS, self.activation
         assert not self.layer_types or len(self.layer_types) == self.num_layers, self.layer_types
         assert set(self.layer_types) <= {"full", "sliding"}, self.layer_types
+        assert len(self.rope_freq_factors) in (0, self.head_dim // 2), (len(self.rope_freq_factors), self.head_dim)
 
     @property
     def num_groups(self) -> int:
@@ -127,12 +134,15 @@ class ModelConfig:
         plain = dict(activation="silu", qk_norm=False, post_norms=False, sliding_window=0, layer_types=(),
                      rope_local_theta=None, embed_scale=1.0, attn_scale=None, final_logit_softcap=0.0,
                      attn_logit_softcap=0.0)
+        if changes.get("head_dim", self.head_dim) != self.head_dim:
+            plain["rope_freq_factors"] = ()     # a GGUF's per-dimension factors fit the target's head dim only
         return dataclasses.replace(self, **{**plain, **changes})
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["rope_freq_factors"] = list(self.rope_freq_factors)
         return d
 
     @classmethod
@@ -140,6 +150,7 @@ class ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["rope_freq_factors"] = tuple(d.get("rope_freq_factors", ()))
         return cls(**d)
 
 

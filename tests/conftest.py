@@ -103,6 +103,29 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=(arch == "llama"))
+    longrope = np.random.default_rng(7).uniform(1.0, 4.0, (2, 8)).round(3)   # phi3's short / long factors
+    families = {
+        # Qwen3: q/k RMS norms per head before rotary, head_dim 32 (not hidden / heads), no biases
+        "qwen3": ("Qwen3", dict(head_dim=32)),
+        # Gemma-2: a window of 6 on even layers, soft-caps on attention scores and logits that bite,
+        # post norms, GeGLU, a scaled embedding, q's scale from query_pre_attn_scalar, a tied head
+        "gemma2": ("Gemma2", dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+        # Phi-3: fused qkv / gate_up, long-rope (original context 48 of 192: attention factor 1.17),
+        # a window of 8 on every layer
+        "phi3": ("Phi3", dict(max_position_embeddings=192, sliding_window=8, original_max_position_embeddings=48,
+                              pad_token_id=0, rope_parameters={
+                                  "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": longrope[0].tolist(),
+                                  "long_factor": longrope[1].tolist(), "original_max_position_embeddings": 48})),
+        # Llama-3.1's rope scaling, with an original context (128) that puts this head_dim's 8
+        # frequencies in all three of its bands
+        "llama3": ("Llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 128})),
+        # Mistral: a window of 6 on every layer
+        "mistral": ("Mistral", dict(sliding_window=6)),
+    }
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
@@ -120,6 +143,21 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
             for name, prm in model.named_parameters():
                 if "norm" in name:
                     prm.normal_(0.0, 0.3)
+    elif arch in families:
+        # tests/test_architectures.py: each family's layer on a small scale (`families` says
+        # what), weights wide enough for fewer near-ties among greedy choices, norms random
+        cls, extra = families[arch]
+        kw.update(tie_word_embeddings=False, initializer_range=0.08)
+        kw.update(extra)
+        if "rope_parameters" in extra:
+            kw.pop("rope_theta")
+        if arch == "gemma2":
+            kw["layer_types"] = kw["layer_types"][:layers]
+        model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**kw))
+        with torch.no_grad():      # Gemma's norms are (1 + w), the others' plain w
+            for name, prm in model.named_parameters():
+                if "norm" in name:
+                    prm.normal_(0.0 if arch == "gemma2" else 1.0, 0.3)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     model.save_pretrained(str(path), safe_serialization=True)

@@ -1,8 +1,9 @@
 """Read Llama-family checkpoints (Hugging Face directory or GGUF file) into one neutral form.
 
-Knows: config keys of Llama / SmolLM / Mistral / Qwen2 in both formats, tensor naming of HF and
-llama.cpp, the Q/K row permutation llama.cpp's converter applies to `llama` GGUFs. Does not know:
-ONNX or quantized kernel layouts (graph.py, quant.py).
+Knows: config keys of Llama / SmolLM / Mistral / Qwen2 / Qwen3 / Gemma-2 / Gemma-3 / Phi-3 in
+both formats, tensor naming of HF and llama.cpp, the Q/K row permutation llama.cpp's converter
+applies to `llama` GGUFs, Phi-3's fused matrices (split here), how each format stores rope
+scaling. Does not know: ONNX or quantized kernel layouts (graph.py, quant.py).
 
 Every linear weight comes out as a `SourceTensor` of shape [out_features, in_features] that is
 either float or still in its GGUF block encoding, so a 4-bit engine can repack blocks exactly.
@@ -10,6 +11,7 @@ either float or still in its GGUF block encoding, so a 4-bit engine can repack b
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,15 +21,19 @@ import numpy as np
 from backend.errors import UserError
 from backend.manifest import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm", "gemma3"}
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm", "gemma2", "gemma3", "phi3"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 BLOCK_TYPES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3"}
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
+                    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 # Gemma's RMSNorm multiplies by (1 + w): its checkpoints' norms get the 1 added when read, as
 # llama.cpp's converter does, so every engine applies plain x / rms(x) * w (manifest.ModelConfig)
-_PLUS_ONE_NORMS = {"gemma3"}
+_PLUS_ONE_NORMS = {"gemma2", "gemma3"}
+_GEMMA = {"gemma2", "gemma3"}
+# rope kinds rope_tables computes (engine_format.py); another is refused when the checkpoint is read
+_ROPE_KINDS = {"linear", "llama3", "longrope"}
 _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
 
@@ -141,11 +147,11 @@ def _load_hf(d: Path) -> Checkpoint:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        **_hf_rope(cfg), **_hf_family(arch, cfg, hidden),
+        **_hf_rope(cfg, d), **_hf_family(arch, cfg, hidden),
     )
     tensors: dict[str, SourceTensor] = {}
     files = sorted(d.glob("*.safetensors"))
@@ -156,6 +162,7 @@ def _load_hf(d: Path) -> Checkpoint:
             canon = _canonical_hf(name, arch)
             if canon is not None:
                 tensors[canon] = t
+    _split_fused(tensors, config)
     if arch in _PLUS_ONE_NORMS:
         for k, t in list(tensors.items()):
             if k == "norm" or k.rsplit(".", 1)[-1] in _NORMS:
@@ -202,7 +209,7 @@ def _read_safetensors(path: Path) -> dict[str, SourceTensor]:
     return out
 
 
-def _hf_rope(cfg: dict) -> dict:
+def _hf_rope(cfg: dict, d: Path) -> dict:
     """rope_theta, rope_scaling and the sliding layers' base from an HF config: transformers 5's
     `rope_parameters` (one dict, or one per layer type) or the older top-level keys."""
     rp = cfg.get("rope_parameters")
@@ -212,12 +219,42 @@ def _hf_rope(cfg: dict) -> dict:
         full, local = (rp if isinstance(rp, dict) else {}), None
     theta = float(full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = {k: v for k, v in full.items() if k != "rope_theta"} if rp else cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    partial = float((scaling or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise CheckpointError(f"{d}: rotary embedding on part of each head (partial_rotary_factor {partial}) "
+                              f"is not supported")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
         scaling = None
+    elif kind == "longrope" or "short_factor" in scaling:
+        scaling = _hf_longrope(cfg, scaling)     # Phi-3's config reads "su" and "yarn" as longrope
+    elif kind not in _ROPE_KINDS:
+        raise CheckpointError(f"{d}: rope scaling {kind!r} is not supported (supported: {sorted(_ROPE_KINDS)})")
     out = {"rope_theta": theta, "rope_scaling": scaling}
     if local is not None or cfg.get("rope_local_base_freq") is not None:
         out["rope_local_theta"] = float((local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
     return out
+
+
+def _hf_longrope(cfg: dict, rs: dict) -> dict:
+    """Long-rope as ModelConfig keeps it, the same from either format: both factor lists, the
+    original context and the attention factor, in float32 as transformers computes them
+    (_compute_longrope_parameters: original_max_position_embeddings from the top level first;
+    factor max_position_embeddings / original unless given; attention factor sqrt(1 + ln(factor) /
+    ln(original)) unless given, 1 for factor <= 1)."""
+    original = int(cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+                   or cfg["max_position_embeddings"])
+    factor = float(rs.get("factor") or cfg["max_position_embeddings"] / original)
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return _longrope(rs["short_factor"], rs["long_factor"], original, attention)
+
+
+def _longrope(short, long, original: int, attention: float) -> dict:
+    f32 = lambda xs: [float(x) for x in np.asarray(xs, np.float32)]
+    return {"rope_type": "longrope", "short_factor": f32(short), "long_factor": f32(long),
+            "original_max_position_embeddings": int(original), "attention_factor": float(np.float32(attention))}
 
 
 def _hf_family(arch: str, cfg: dict, hidden: int) -> dict:
@@ -228,16 +265,20 @@ def _hf_family(arch: str, cfg: dict, hidden: int) -> dict:
     if window and types:
         out["sliding_window"] = int(window)
         out["layer_types"] = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
-    elif window and arch == "mistral":
+    elif window and arch in ("mistral", "phi3"):
         out["sliding_window"] = int(window)
-    if arch == "gemma3":
+    if arch == "qwen3":
+        out["qk_norm"] = True
+    if arch in _GEMMA:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise CheckpointError(f"gemma3 activation {act!r} is not supported (gelu_pytorch_tanh)")
-        out.update(activation="gelu_tanh", qk_norm=True, post_norms=True,
+            raise CheckpointError(f"{arch} activation {act!r} is not supported (gelu_pytorch_tanh)")
+        out.update(activation="gelu_tanh", qk_norm=arch == "gemma3", post_norms=True,
                    embed_scale=float(np.float32(hidden ** 0.5)),
                    attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim")) ** -0.5,
                    final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+                   # read for Gemma-3 too, as its config documents it, although transformers'
+                   # Gemma-3 attention ignores it (real Gemma-3 configs set it to null)
                    attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0))
     return out
 
@@ -251,6 +292,8 @@ _HF_LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
     "mlp.down_proj.weight": "down",
+    # Phi-3's fused matrices, split by _split_fused: q, k, v rows; gate rows, then up rows
+    "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",
 }
 # Gemma names its norms after where they sit: its post_attention_layernorm norms the attention's
 # output, pre_feedforward_layernorm is Llama's post_attention_layernorm
@@ -269,7 +312,7 @@ def _canonical_hf(name: str, arch: str = "llama") -> str | None:
     parts = name.split(".")
     if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
         i, rest = parts[2], ".".join(parts[3:])
-        table = {**_HF_LAYER_NAMES, **(_HF_GEMMA_NORMS if arch == "gemma3" else {})}
+        table = {**_HF_LAYER_NAMES, **(_HF_GEMMA_NORMS if arch in _GEMMA else {})}
         if rest in table:
             return f"layers.{i}.{table[rest]}"
         if rest.endswith("rotary_emb.inv_freq"):
@@ -284,8 +327,12 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
     "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
-    "post_ffw_norm": "post_mlp_norm",
+    "post_ffw_norm": "post_mlp_norm", "attn_qkv": "qkv",
 }
+# tensors outside the layers that describe rope (they go into ModelConfig): Llama-3.1's scaling as
+# per-dimension divisors, Phi-3's long-rope factor sets
+_GGUF_ROPE_TENSORS = {"rope_freqs.weight": "rope_freqs", "rope_factors_long.weight": "long_factor",
+                      "rope_factors_short.weight": "short_factor"}
 
 
 def _load_gguf(path: Path) -> Checkpoint:
@@ -312,9 +359,13 @@ def _load_gguf(path: Path) -> Checkpoint:
     hidden = int(need(f"{arch}.embedding_length"))
     tokens = meta("tokenizer.ggml.tokens")
     tensors: dict[str, SourceTensor] = {}
+    rope: dict[str, np.ndarray] = {}
     types: dict[str, int] = {}
     for t in r.tensors:
         qtype = t.tensor_type.name
+        if t.name in _GGUF_ROPE_TENSORS:
+            rope[_GGUF_ROPE_TENSORS[t.name]] = SourceTensor(t.name, qtype, (int(t.shape[0]),), t.data).float32()
+            continue
         canon = _canonical_gguf(t.name)
         if canon is None:
             continue
@@ -328,9 +379,6 @@ def _load_gguf(path: Path) -> Checkpoint:
     num_kv = int(meta(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta(f"{arch}.attention.key_length", hidden // heads))
     vocab = int(meta(f"{arch}.vocab_size", len(tokens) if tokens else 0))
-    rope_scaling = None
-    if meta(f"{arch}.rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta(f"{arch}.rope.scaling.factor"))}
     eos = meta("tokenizer.ggml.eos_token_id")
     eot = meta("tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
@@ -348,11 +396,15 @@ def _load_gguf(path: Path) -> Checkpoint:
         max_position_embeddings=int(meta(f"{arch}.context_length", 2048)),
         tie_word_embeddings="lm_head" not in tensors,
         attention_bias="layers.0.q_bias" in tensors,
-        rope_scaling=rope_scaling,
         bos_token_id=meta("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
-        **_gguf_family(arch, meta, hidden, head_dim, int(need(f"{arch}.block_count"))),
+        **_gguf_rope(path, arch, meta, rope, head_dim),
+        **_gguf_family(arch, meta, hidden, heads, head_dim, int(need(f"{arch}.block_count"))),
     )
+    if arch == "phi3":           # its ffn_up holds gate and up (llama.cpp's LLM_FFN_SWIGLU halves)
+        for key in [k for k in tensors if k.endswith(".up")]:
+            tensors[key[:-len("up")] + "gate_up"] = tensors.pop(key)
+    _split_fused(tensors, config)
     if arch in ("llama", "mistral", "smollm"):
         # llama.cpp's converter interleaves Q/K rows for its rotary layout; undo it so the
         # HF "rotate_half" formulation applies (convert_hf_to_gguf.py LlamaModel.permute).
@@ -381,14 +433,51 @@ def _load_gguf(path: Path) -> Checkpoint:
     return Checkpoint(config, tensors, tokenizer, str(path), file_type=dominant)
 
 
-def _gguf_family(arch: str, meta, hidden: int, head_dim: int, layers: int) -> dict:
+def _gguf_rope(path: Path, arch: str, meta, rope: dict[str, np.ndarray], head_dim: int) -> dict:
+    """rope_scaling and rope_freq_factors from a GGUF, as convert_hf_to_gguf.py stores them:
+    linear scaling in metadata; Llama-3.1's as the rope_freqs tensor (per-dimension divisors);
+    Phi-3's long-rope as its two factor tensors, the original context and the attention factor
+    (computed as the converter does where the file lacks it)."""
+    rot = meta(f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise CheckpointError(f"{path.name}: rotary embedding on {rot} of each head's {head_dim} dimensions "
+                              f"(partial rotary) is not supported")
+    out: dict = {"rope_scaling": None}
+    if meta(f"{arch}.rope.scaling.type") == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta(f"{arch}.rope.scaling.factor"))}
+    if "rope_freqs" in rope:
+        out["rope_freq_factors"] = tuple(float(x) for x in rope["rope_freqs"])
+    if "long_factor" in rope:
+        ctx = int(meta(f"{arch}.context_length", 2048))
+        original = int(meta(f"{arch}.rope.scaling.original_context_length", ctx))
+        attention = meta(f"{arch}.rope.scaling.attn_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(ctx / original) / math.log(original)) if ctx > original else 1.0
+        out["rope_scaling"] = _longrope(rope["short_factor"], rope["long_factor"], original, attention)
+    return out
+
+
+def _gguf_family(arch: str, meta, hidden: int, heads: int, head_dim: int, layers: int) -> dict:
     """What an architecture adds to the Llama layer, from GGUF metadata. What the file does not
     store, llama.cpp hard-codes per architecture (src/llama-model.cpp load_hparams), and so do we:
     Gemma-3's sliding layers (five of every six), their rope base (10k) and q's scale
-    (1/sqrt(key_length); the 27B's differs and is refused)."""
+    (1/sqrt(key_length); the 27B's differs and is refused); Gemma-2's sliding layers (the even
+    ones), its q's scale (1/sqrt(key_length); the 27B's, 46 layers, 1/sqrt(hidden / heads)) and,
+    where the file lacks them, its window (4096) and soft-caps (50 on scores, 30 on logits)."""
     out: dict = {}
     window = meta(f"{arch}.attention.sliding_window")
-    if arch == "gemma3":
+    if arch == "qwen3":
+        out["qk_norm"] = True
+    if arch == "gemma2":
+        out.update(activation="gelu_tanh", post_norms=True, embed_scale=float(np.float32(hidden ** 0.5)),
+                   attn_scale=float(hidden // heads if layers == 46 else head_dim) ** -0.5,
+                   final_logit_softcap=float(meta(f"{arch}.final_logit_softcapping", 30.0)),
+                   attn_logit_softcap=float(meta(f"{arch}.attn_logit_softcapping", 50.0)))
+        window = meta(f"{arch}.attention.sliding_window", 4096)
+        if window:
+            out.update(sliding_window=int(window),
+                       layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)))
+    elif arch == "gemma3":
         if layers == 62:
             raise CheckpointError("gemma3 27B (its attention scale is not stored in the GGUF) is not supported")
         out.update(activation="gelu_tanh", qk_norm=True, post_norms=True, rope_local_theta=10000.0,
@@ -409,8 +498,6 @@ def _canonical_gguf(name: str) -> str | None:
         return "norm"
     if name == "output.weight":
         return "lm_head"
-    if name in ("rope_freqs.weight",):
-        raise CheckpointError(f"tensor {name}: per-dimension rope frequencies are not supported")
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4:
         i, base, kind = parts[1], parts[2], parts[3]
@@ -418,6 +505,28 @@ def _canonical_gguf(name: str) -> str | None:
             canon = _GGUF_LAYER_NAMES[base]
             return f"layers.{i}.{canon}" + ("_bias" if kind == "bias" else "")
     raise CheckpointError(f"unexpected tensor {name!r} in GGUF")
+
+
+def _split_fused(tensors: dict[str, SourceTensor], cfg: ModelConfig) -> None:
+    """Phi-3's fused matrices as the parts every engine reads: qkv -> q, k, v (rows of num_heads,
+    num_kv_heads and num_kv_heads heads), gate_up -> gate, up (halves). In place. A split by rows
+    is exact in either format: a GGUF block runs along a row."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for key in [k for k in tensors if k.endswith((".qkv", ".gate_up"))]:
+        t = tensors.pop(key)
+        prefix = key.rsplit(".", 1)[0]
+        if key.endswith(".qkv"):
+            if t.shape[0] != q + 2 * kv:
+                raise CheckpointError(f"tensor {t.name}: {t.shape[0]} rows, expected q, k and v's {q + 2 * kv}")
+            parts = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+        else:
+            if t.shape[0] != 2 * cfg.intermediate_size:
+                raise CheckpointError(f"tensor {t.name}: {t.shape[0]} rows, expected gate and up's "
+                                      f"{2 * cfg.intermediate_size}")
+            parts = {"gate": (0, cfg.intermediate_size), "up": (cfg.intermediate_size, 2 * cfg.intermediate_size)}
+        for name, (a, b) in parts.items():
+            key = f"{prefix}.{name}"
+            tensors[key] = SourceTensor(key, t.qtype, (b - a,) + t.shape[1:], t.rows()[a:b])
 
 
 def _unpermute_rows(num_heads: int, head_dim: int) -> np.ndarray:
