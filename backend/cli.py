@@ -1,4 +1,4 @@
-"""`specdec` command line: build, serve, health, generate, bench, bench-engine, train-draft,
+"""`specdec` command line: build, serve, health, generate, bench, bench-prefix, bench-engine, train-draft,
 check-kernels, quality."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from backend.bench.prompt_sets import default_prompts, load_prompts
 from backend.config import DrafterKind
 from backend.devices import DEVICES, FORMATS
 from backend.manifest import Device, WeightFormat
+from backend.runtime.fp8 import RECIPES as FP8_RECIPES
 
 DEFAULT_REPO = "model_repository"
 
@@ -31,10 +32,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-format", default=None, choices=[f.value for f in FORMATS],
                    help="format serving uses (default: the first of --weights)")
     p.add_argument("--draft", action="append", default=[],
-                   help="draft to build: a checkpoint PATH (same vocabulary), self:N (first N target "
-                        "layers + head), eagle:DIR (trained head: ours, or EAGLE-1/2/3's published layout) or "
-                        "medusa:DIR (Medusa-1 heads); repeatable (default for the "
-                        "embedded target: self:4 and the committed EAGLE head)")
+                   help="draft to build: a checkpoint PATH (any vocabulary: another tokenizer is mapped "
+                        "by bytes, docs/hetero-vocab.md), self:N (first N target layers + head), eagle:DIR "
+                        "(trained head: ours, or EAGLE-1/2/3's published layout) or medusa:DIR (Medusa-1 "
+                        "heads); repeatable (default for the embedded target: self:4 and the committed EAGLE head)")
     p.add_argument("--output", default=DEFAULT_REPO, help="model repository to fill")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -45,6 +46,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="draft on a draft node: its tritonserver's gRPC host:port, or `local` for "
                         "this server's own (serve a node with `specdec build-draft-node`)")
     p.add_argument("--remote-draft-kind", default="draft-model", choices=["draft-model", "eagle"])
+    p.add_argument("--fp8-recipe", default="auto", choices=["auto"] + [r.name for r in FP8_RECIPES],
+                   help="FP8 engines: how weights and inputs are scaled; auto: the fastest recipe that "
+                        "meets the quality bar on the calibration prompts (docs/building.md)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -57,7 +61,8 @@ def cmd_build(args) -> int:
         default_format=WeightFormat(args.default_format) if args.default_format else None,
         drafts=_drafts(args), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
-        quiet=args.quiet, extra={"remote_draft": args.remote_draft, "remote_draft_kind": args.remote_draft_kind})
+        quiet=args.quiet, extra={"remote_draft": args.remote_draft, "remote_draft_kind": args.remote_draft_kind,
+                                 "fp8_recipe": args.fp8_recipe})
     build(cfg)
     return 0
 
@@ -87,16 +92,32 @@ def cmd_bench(args) -> int:
     from backend.config import ServeConfig, SpecConfig
     from backend.engine import make_decoder
 
-    kind, _, draft_name = args.drafter.partition(":")
-    spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name or None,
+    drafters = [d.strip().partition(":") for d in args.drafter.split(",") if d.strip()]
+    draft_name = next((name for _, _, name in drafters if name), None)
+    spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name,
                       draft_width=args.draft_width, prompt_lookup_width=args.lookup_width,
                       eagle_gate=not args.no_eagle_gate)
-    dec = make_decoder(ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec))
+    cfg = ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec)
     prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
-    spec_bench.run(dec, prompts, DrafterKind(kind), args.max_new_tokens, args.temperature,
-                   args.num_draft_tokens, args.ignore_eos, Path(args.json) if args.json else None)
+    kinds = [DrafterKind(kind) for kind, _, _ in drafters]
+    out = Path(args.json) if args.json else None
+    if len(kinds) == 1:
+        dec = make_decoder(cfg)
+        spec_bench.run(dec, prompts, DrafterKind(kinds[0]), args.max_new_tokens, args.temperature,
+                       args.num_draft_tokens, args.ignore_eos, out, warmup_passes=args.warmup_passes)
+    else:
+        plain, decoders = spec_bench.decoders_for(cfg, kinds)
+        spec_bench.compare(plain, decoders, prompts, args.max_new_tokens, args.temperature, args.num_draft_tokens,
+                           args.ignore_eos, out, warmup_passes=args.warmup_passes)
+    return 0
+
+
+def cmd_bench_prefix(args) -> int:
+    from backend.bench import prefix_bench
+
+    prefix_bench.main(args)
     return 0
 
 
@@ -115,7 +136,7 @@ def cmd_bench_engine(args) -> int:
 def cmd_check_kernels(args) -> int:
     from backend.bench import kernel_check
 
-    result = kernel_check.run(args.json)
+    result = kernel_check.run(args.json, args.quick)
     return 0 if all(k["ok"] or "skipped" in k for k in result["kernels"]) else 1
 
 
@@ -278,7 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | draft-model | eagle")
+    p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | suffix | draft-model | eagle")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is (no chat template): plain text to continue; needed for a base model, which has no chat template")
@@ -287,10 +308,17 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts")
     p.add_argument("--model-repository", default=DEFAULT_REPO)
     p.add_argument("--prompts", default=default_prompts(),
-                   help="JSON lines of chat messages (default: the public set); a model without a "
+                   help="JSON lines of chat messages, comma separated files (default: the public set; "
+                        "benchmarks/prompts/agent.jsonl: repeated-structure agent traffic); a model without a "
                         "chat template (a base model) gets each prompt's text as a plain continuation")
     p.add_argument("--drafter", default="prompt-lookup",
-                   help="none | prompt-lookup | draft-model[:NAME] | eagle")
+                   help="none | prompt-lookup | suffix | draft-model[:NAME] | eagle | auto; a comma "
+                        "list compares several in one run (each its own decoder, same prompts, turns "
+                        "alternating per prompt) and reports their ratios per prompt kind")
+    p.add_argument("--warmup-passes", type=int, default=0,
+                   help="run the whole prompt set this many times through each drafter before "
+                        "measuring (feeds drafters with history, suffix decoding; greedy or seeded, "
+                        "the measured answers are then repeats of ones seen)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")
@@ -347,6 +375,21 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_draft)
 
+    p = sub.add_parser("bench-prefix", help="the prefix cache: TTFT of a shared prefix hit vs a miss, the "
+                                            "drafters' catch-up, a shared-system-prompt workload on and off")
+    p.add_argument("--model-repository", default=DEFAULT_REPO)
+    p.add_argument("--prompts", default=default_prompts())
+    p.add_argument("--prefix-tokens", type=int, default=1500)
+    p.add_argument("--question-tokens", type=int, default=20)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--concurrency", default="4", help="comma list of client streams for the mixed workload ('' = skip)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="the mixed workload's shared system prompt")
+    p.add_argument("--requests", type=int, default=12, help="requests of the mixed workload, per mode")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--drafter", default="auto")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_bench_prefix)
+
     p = sub.add_parser("bench-engine", help="cost of one target forward; plain greedy tokens/s")
     p.add_argument("--model-repository", default=DEFAULT_REPO)
     p.add_argument("--prompts", default=default_prompts())
@@ -372,6 +415,7 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("check-kernels", help="every GPU kernel against its reference on this machine")
     p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="the smallest cases only (a dry run)")
     p.set_defaults(func=cmd_check_kernels)
 
     p = sub.add_parser("quality", help="teacher-forced top-1 agreement and KL of a weight format")

@@ -46,6 +46,7 @@ DrafterKind.DRAFT_MODEL = DrafterKind.register("draft-model")      # separate dr
 DrafterKind.EAGLE = DrafterKind.register("eagle")                  # trained feature-level draft head
 DrafterKind.LOOKUP_EAGLE = DrafterKind.register("lookup+eagle")    # prompt lookup when it matches, else the EAGLE head
 DrafterKind.MEDUSA = DrafterKind.register("medusa")                # Medusa heads on the target's last hidden state (a chain)
+DrafterKind.SUFFIX = DrafterKind.register("suffix")                # suffix decoding: this request's and earlier requests' texts
 DrafterKind.AUTO = DrafterKind.register("auto")                    # the server's default drafter
 
 
@@ -90,13 +91,14 @@ class SpecConfig:
     """How a server speculates (defaults for requests that do not say)."""
 
     auto_drafter: DrafterKind = DrafterKind.AUTO   # what a request's "auto" means; AUTO = the
-                                                   # server's best measured (prompt-lookup)
+                                                   # server's best measured (suffix, else prompt-lookup)
     num_draft_tokens: int | None = None     # None = adaptive (cost model + acceptance)
     max_draft_tokens: int = 8               # per-request overrides are clamped to this
     max_tree_nodes: int = 16                # verified nodes per sequence per step (root excluded)
     prompt_lookup_min_ngram: int = 2
     prompt_lookup_max_ngram: int = 4
     prompt_lookup_width: int = 2            # alternative continuations (tree branches)
+    suffix_global_tokens: int = 1 << 16     # suffix drafter: tokens of earlier requests it keeps
     draft_model: str | None = None          # manifest draft name for DRAFT_MODEL
     draft_width: int = 1                    # siblings per depth for the draft model's tree
     eagle_depth: int = 5                    # EAGLE-2 tree: expansion steps
@@ -128,6 +130,9 @@ class RemoteDraft:
     retry_s: float = 0.5                    # first back-off after a failure (doubles, <= 30 s)
 
 
+PREFIX_CACHE_MB = 1024     # the prefix cache's default budget (model parameter prefix_cache_mb)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     engine_dir: str
@@ -137,3 +142,4 @@ class ServeConfig:
     prefill_chunk: int = 512
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     remote_draft: RemoteDraft | None = None
+    prefix_cache_mb: float = PREFIX_CACHE_MB    # KV of shared prompt prefixes kept for reuse (0: off)

@@ -1,7 +1,8 @@
 """SpecDecoder: the draft -> verify -> commit -> emit loop over a batch of sequences.
 
     start(request)   validate, allocate KV, pick the drafter       -> SequenceState
-    prefill(seq)     the prompt in one or more forwards, first token  -> StepOutput
+    prefill(seq)     the prompt in one or more forwards, after the part the target's prefix
+                     cache holds (prefix_cache.py), first token     -> StepOutput
     step(seqs)       one speculative step for a batch                 -> [StepOutput]
     finish(seq)      free KV and drafter state
     generate(req)    the three above for one request (streaming and non-streaming share it)
@@ -41,8 +42,10 @@ class SpecDecoder:
         self.tok = tokenizer
         self.drafters = drafters
         if spec.auto_drafter is DrafterKind.AUTO:
-            # prompt lookup: measured best overall with the committed head (docs/perf-notes.md)
-            best = DrafterKind.PROMPT_LOOKUP if DrafterKind.PROMPT_LOOKUP in drafters else DrafterKind.NONE
+            # suffix decoding, else prompt lookup: both free of forwards, measured best overall
+            # with the committed head (docs/perf-notes.md); suffix decoding also drafts from
+            # earlier requests' answers (docs/results/suffix_2026-12-03.json)
+            best = next((k for k in (DrafterKind.SUFFIX, DrafterKind.PROMPT_LOOKUP) if k in drafters), DrafterKind.NONE)
             spec = replace(spec, auto_drafter=best)
         elif spec.auto_drafter is not DrafterKind.NONE and spec.auto_drafter not in drafters:
             raise ValueError(f"default drafter {spec.auto_drafter.value!r} is not available "
@@ -71,20 +74,29 @@ class SpecDecoder:
         return seq
 
     def prefill(self, seq: SequenceState) -> StepOutput | None:
-        """Feed the next prompt chunk; after the last one sample the first token."""
+        """Feed the next prompt chunk (the first starts after the prompt's cached prefix); after
+        the last one publish the prompt's blocks to the prefix cache and sample the first token."""
         ids = np.asarray(seq.prompt_ids, np.int64)
+        drafter = self.drafters.get(seq.drafter)
+        needs_hidden = drafter is not None and drafter.traits.needs_hidden
+        cache = getattr(self.target, "prefix_cache", None)
+        if cache is not None and seq.prefilled == 0:
+            hit = cache.attach(seq.seq_id, seq.prompt_ids, needs_hidden)
+            seq.prefilled = seq.cached_prompt_tokens = hit.tokens
+            seq.prompt_hidden = hit.hidden if hit.tokens else None
         chunk = ids[seq.prefilled: seq.prefilled + self.prefill_chunk]
         t = chunk.size
         out = self.target.forward([seq.seq_id], chunk[None], np.arange(-1, t - 1, dtype=np.int32)[None],
                                   np.array([[t - 1]]))
         self.target.commit([seq.seq_id], [np.arange(t)])
-        drafter = self.drafters.get(seq.drafter)
-        if drafter is not None and drafter.traits.needs_hidden:
+        if needs_hidden:
             h = out.hidden[0].copy()
             seq.prompt_hidden = h if seq.prompt_hidden is None else np.concatenate([seq.prompt_hidden, h])
         seq.prefilled += t
         if seq.prefilled < ids.size:
             return None
+        if cache is not None:
+            cache.publish(seq.seq_id, seq.prompt_ids, seq.prompt_hidden)
         first = target_token(out.logits[0, -1], seq.params,
                              None if seq.params.greedy else seq.position_noise(0))
         if drafter is not None:
@@ -95,6 +107,13 @@ class SpecDecoder:
     def room(self) -> int:
         """How many more sequences the target's KV can hold now."""
         return self.target.room()
+
+    def prefix_stats(self) -> dict:
+        """Each prefix cache's counters, by engine: `target`, and a drafter's own (draft-model)."""
+        caches = {"target": getattr(self.target, "prefix_cache", None)}
+        caches.update((k.value, getattr(getattr(d, "rt", None), "prefix_cache", None))
+                      for k, d in self.drafters.items())
+        return {name: c.stats for name, c in caches.items() if c is not None}
 
     def finish(self, seq: SequenceState) -> None:
         self.target.free(seq.seq_id)

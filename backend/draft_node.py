@@ -7,6 +7,9 @@ KV; a head takes the new target features), the new tokens are appended, and the 
 catch-up feeds them. A call whose `synced` length differs from the shadow's (a node restart, a
 call the target gave up on) gets `resync`, and the target sends the whole history next time.
 Shadows beyond `max_sequences` are dropped oldest first (the target resyncs them if it returns).
+A drafter that counts its draft tokens outside the target's vocabulary (a draft model with a
+vocabulary of its own, drafters/cross_vocab.py) has the call's counts sent back in `vocab`
+([drawn, outside]), for the target's metrics.
 Knows: drafters, shadows. Does not know: Triton, the target.
 """
 from __future__ import annotations
@@ -55,6 +58,14 @@ class DraftNode:
         self.max_sequences = max_sequences
         self._shadows: collections.OrderedDict[str, Shadow] = collections.OrderedDict()
         self._ids = itertools.count()
+        self._vocab: list[int] | None = None
+        if hasattr(drafter, "on_vocab"):
+            self._vocab = [0, 0]
+            drafter.on_vocab = self._count
+
+    def _count(self, drawn: int, outside: int) -> None:
+        self._vocab[0] += drawn
+        self._vocab[1] += outside
 
     def handle(self, request: dict, features: np.ndarray | None) -> dict:
         for key in request.get("released", ()):
@@ -76,7 +87,10 @@ class DraftNode:
             for (j, shadow), d in zip(live, self.drafter.propose([s for _, s in live], budgets)):
                 shadow.last_draft = d
                 out[j] = {"tokens": d.tokens[1:].tolist(), "parents": d.tree.parents.tolist()}
-        return {"rows": out}
+        if self._vocab is None:
+            return {"rows": out}
+        counts, self._vocab = self._vocab, [0, 0]
+        return {"rows": out, "vocab": counts}
 
     def _sync(self, row: dict, feats: np.ndarray) -> Shadow | None:
         key, synced, tokens = row["key"], int(row["synced"]), [int(t) for t in row["tokens"]]

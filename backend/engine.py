@@ -98,9 +98,27 @@ def make_controller(manifest: EngineManifest, spec: SpecConfig,
     return FixedController(spec)
 
 
+def enable_prefix_caches(budget_mb: float, target, drafters: dict[DrafterKind, Drafter]) -> None:
+    """Prefix caches (prefix_cache.py) on the target and on the runtimes of the drafters with a
+    model (a draft model, an EAGLE head), splitting `budget_mb` between them by their KV bytes
+    per token (so each holds as many tokens). A runtime without slots (ONNX Runtime's groups)
+    keeps none: its drafter catches up over the whole prompt, as the controller prices it."""
+    from backend.drafters.draft_model import DraftModelDrafter
+    from backend.drafters.eagle import EagleDrafter
+
+    models = [d.rt for d in drafters.values() if isinstance(d, (DraftModelDrafter, EagleDrafter))]
+    runtimes = [rt for rt in dict.fromkeys([target] + models) if hasattr(rt, "enable_prefix_cache")]
+    if budget_mb <= 0 or not runtimes:
+        return
+    per_token = [rt.block_storage().block_bytes(1) for rt in runtimes]
+    for rt, b in zip(runtimes, per_token):
+        rt.enable_prefix_cache(int(budget_mb * 2 ** 20 * b / sum(per_token)))
+
+
 def make_decoder(cfg: ServeConfig, manifest: EngineManifest | None = None) -> SpecDecoder:
     manifest = manifest or EngineManifest.load(cfg.engine_dir)
     target = load_runtime(manifest, cfg.weight_format, options=cfg.runtime)
     drafters = make_drafters(manifest, cfg.spec, cfg.runtime, cfg.remote_draft)
+    enable_prefix_caches(cfg.prefix_cache_mb, target, drafters)
     return SpecDecoder(target, Tokenizer.from_manifest(manifest), drafters, cfg.spec,
                        make_controller(manifest, cfg.spec, drafters), prefill_chunk=cfg.prefill_chunk)

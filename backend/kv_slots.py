@@ -8,6 +8,9 @@ forward into what the attention needs (plugins/reference.py: rotary positions, e
 by depth, where each node's KV is written); `commit` keeps an accepted root-to-node path and
 says which columns the storage must move down to the committed end; padding nodes read nothing
 and write into their own scratch column, or into the spare slot past the end.
+A runtime of slots can also keep a prefix cache (prefix_cache.py; its block pool in
+runtime/slot_blocks.py): a sequence then starts with the cached blocks of its prompt as committed
+columns (`restore`).
 Knows: slots, columns, paths. Does not know: tensors, devices.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.kv_cache import PAD_PARENT
+from backend.prefix_cache import BLOCK_TOKENS, PrefixCache
 
 SCRATCH_COLUMNS = 96       # columns past max_seq_len: tree nodes of a sequence near the end
 
@@ -33,12 +37,24 @@ class SlotSequences:
     SlotTable in `self.slots` (the torch and engine runtimes)."""
 
     slots: "SlotTable"
+    prefix_cache: PrefixCache | None = None
 
     def alloc(self, seq_id: int) -> None:
         self.slots.alloc(seq_id)
 
     def free(self, seq_id: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq_id)
         self.slots.free(seq_id)
+
+    def enable_prefix_cache(self, budget_bytes: int, block: int = BLOCK_TOKENS) -> PrefixCache | None:
+        """Keep KV of prompt blocks for later requests, in at most `budget_bytes` (0: none)."""
+        self.prefix_cache = PrefixCache(self.block_storage(), budget_bytes, block) if budget_bytes > 0 else None
+        return self.prefix_cache
+
+    def block_storage(self):
+        """The runtime's prefix_cache.BlockStorage (runtime/slot_blocks.SlotBlocks)."""
+        raise NotImplementedError
 
     def length(self, seq_id: int) -> int:
         return self.slots.length(seq_id)
@@ -70,6 +86,15 @@ class SlotTable:
 
     def length(self, seq_id: int) -> int:
         return self._seqs[seq_id].length
+
+    def slot(self, seq_id: int) -> int:
+        return self._seqs[seq_id].slot
+
+    def restore(self, seq_id: int, length: int) -> None:
+        """A new sequence's first `length` columns were filled from the prefix cache: committed."""
+        s = self._seqs[seq_id]
+        assert s.length == 0 and not s.paths and 0 <= length < self.max_seq_len, (s.length, length)
+        s.length = length
 
     def room(self) -> int:
         return len(self._free)

@@ -29,7 +29,7 @@ WeightFormat.FP32 = WeightFormat("fp32")  # exact: every weight dequantized to f
 WeightFormat.Q4 = WeightFormat("q4")      # 4-bit MatMulNBits; GGUF blocks repacked exactly (build/quant.py) (cpu)
 WeightFormat.GGUF = WeightFormat("gguf")  # the GGUF's own blocks, run by our C decode step (runtime/native.py) (cpu)
 WeightFormat.BF16 = WeightFormat("bf16")  # bfloat16 weights (cuda)
-WeightFormat.FP8 = WeightFormat("fp8")    # float8 E4M3, per-output-channel weight and per-tensor activation scales (cuda)
+WeightFormat.FP8 = WeightFormat("fp8")    # float8 E4M3 by a recipe chosen at build (runtime/fp8.py; EngineFile.fp8) (cuda, tensorrt)
 
 
 class Device(Name):
@@ -171,6 +171,11 @@ class EngineFile:
     # forward's `hidden` output after the final-norm features (vLLM's aux-layer indexing: 0 is
     # the embedding, j the output of layer j-1); empty unless an EAGLE-3 head was built
     feature_layers: tuple[int, ...] = ()
+    # FP8 engines: the recipe the build chose (runtime/fp8.py Recipe.to_json under "recipe") and
+    # how: "chosen_by" ("measured" | "--fp8-recipe"), the quality bar, every candidate measured
+    # (top-1 agreement and KL against fp32 on the calibration prompts; build/fp8_choice.py);
+    # None for other formats and manifests written before recipes (per-channel, per-tensor)
+    fp8: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,8 @@ class DraftEntry:
     heads, or a registered kind's (backend/draft_kinds). Typed fields for what the runtimes and
     drafters read; `head` is a head's own configuration as its format defines it."""
 
-    kind: str                 # "model" | "self" | "eagle" | "medusa" | a registered kind's entry kind
+    kind: str                 # "model" | "self" | "cross-vocab" (a draft model with its own
+                              # vocabulary) | "eagle" | "medusa" | a registered kind's entry kind
     path: str                 # engine file (relative), or head directory
     num_layers: int = 0
     source: str = ""          # where it came from (checkpoint path or head dir)
@@ -188,8 +194,11 @@ class DraftEntry:
     model: ModelConfig | None = None      # a separate draft model's own description
     head: dict | None = None              # a head's configuration (EAGLE: its config.json without
                                           # training history; Medusa: num_heads, num_layers)
-    vocab_path: str | None = None         # EAGLE: draft vocabulary -> target ids (.npy, relative)
+    vocab_path: str | None = None         # EAGLE: draft vocabulary -> target ids (.npy, relative);
+                                          # cross-vocab: the vocabulary map (vocab_map.VocabMap, .npz)
     fc_path: str | None = None            # EAGLE-3: the fc over the target's features (.npy, relative)
+    tokenizer_path: str | None = None     # cross-vocab: the draft's own tokenizer.json (relative)
+    coverage: dict | None = None          # cross-vocab: the map's coverage (VocabMap.coverage)
 
     @property
     def draft_vocab_size(self) -> int:

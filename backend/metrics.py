@@ -30,6 +30,18 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
   specdec_remote_draft_seconds                    histogram of draft node call latency
   specdec_remote_draft_fallbacks_total            rows drafted locally because the node failed,
                                                   timed out, asked to resync or was backing off
+  specdec_draft_vocab_tokens_total{outside}       draft tokens a draft model with a vocabulary of
+                                                  its own drew (locally or on a draft node),
+                                                  outside="true" where no target token is its text
+  specdec_draft_outside_vocab_share               gauge, the outside share of those, since start
+  specdec_prefix_cache_lookups_total{engine}      requests looked up in the prefix cache
+                                                  (engine: target | draft-model)
+  specdec_prefix_cache_hits_total{engine}         of them, requests that reused at least one block
+  specdec_prefix_cache_lookup_tokens_total{engine}  prompt tokens looked up
+  specdec_prefix_cache_hit_tokens_total{engine}   prompt tokens reused (not prefilled)
+  specdec_prefix_cache_evictions_total{engine}    blocks evicted (least recently used first)
+  specdec_prefix_cache_bytes{engine}              gauge, bytes the cache holds (KV and features)
+  specdec_prefix_cache_capacity_bytes{engine}     gauge, its budget (model parameter prefix_cache_mb)
 """
 from __future__ import annotations
 
@@ -76,6 +88,8 @@ class Metrics:
         self._remote: dict[str, object] = {}
         self._remote_s = h("specdec_remote_draft_seconds", "Draft node call latency", lb, LATENCY_BUCKETS)
         self._fallbacks = c("specdec_remote_draft_fallbacks_total", "Rows drafted locally instead of on the node", lb)
+        self._prefix: dict[str, tuple] = {}   # engine -> counters, gauges, counts published
+        self._vocab = None                  # made at the first cross-vocabulary draft
 
     def _drafter(self, name: str):
         if name not in self._by_drafter:
@@ -152,6 +166,49 @@ class Metrics:
             self._remote_s.observe(seconds)
         if fallback_rows:
             self._fallbacks.increment(fallback_rows)
+
+    def on_vocab(self, drawn: int, outside: int) -> None:
+        """Draft tokens a cross-vocabulary draft drew this step, and those outside the intersection."""
+        if self._vocab is None:
+            lb = self.labels
+            self._vocab = (self.r.counter("specdec_draft_vocab_tokens_total", "Draft tokens drawn by a draft model "
+                                          "with its own vocabulary", {**lb, "outside": "false"}),
+                           self.r.counter("specdec_draft_vocab_tokens_total", "Draft tokens drawn by a draft model "
+                                          "with its own vocabulary", {**lb, "outside": "true"}),
+                           self.r.gauge("specdec_draft_outside_vocab_share", "Share of draft tokens outside "
+                                        "the target's vocabulary", lb), [0, 0])
+        inside, out, share, totals = self._vocab
+        inside.increment(drawn - outside)
+        out.increment(outside)
+        totals[0] += drawn
+        totals[1] += outside
+        share.set(totals[1] / totals[0] if totals[0] else 0.0)
+
+    PREFIX_COUNTERS = (("lookups", "specdec_prefix_cache_lookups_total", "Requests looked up in the prefix cache"),
+                       ("hits", "specdec_prefix_cache_hits_total", "Requests that reused cached prompt blocks"),
+                       ("lookup_tokens", "specdec_prefix_cache_lookup_tokens_total", "Prompt tokens looked up"),
+                       ("hit_tokens", "specdec_prefix_cache_hit_tokens_total", "Prompt tokens reused from the prefix cache"),
+                       ("evicted_blocks", "specdec_prefix_cache_evictions_total", "Prefix cache blocks evicted"))
+
+    def on_prefix(self, caches: dict) -> None:
+        """The prefix caches' counters (engine name -> prefix_cache.PrefixStats): their increments
+        since the last call, and the bytes held."""
+        for engine, st in caches.items():
+            if engine not in self._prefix:
+                lb = {**self.labels, "engine": engine}
+                self._prefix[engine] = (
+                    {f: self.r.counter(name, text, lb) for f, name, text in self.PREFIX_COUNTERS},
+                    self.r.gauge("specdec_prefix_cache_bytes", "Bytes the prefix cache holds", lb),
+                    self.r.gauge("specdec_prefix_cache_capacity_bytes", "The prefix cache's budget", lb),
+                    {f: 0 for f, _, _ in self.PREFIX_COUNTERS})
+            counters, held, capacity, seen = self._prefix[engine]
+            for f in counters:
+                now = getattr(st, f)
+                if now > seen[f]:
+                    counters[f].increment(now - seen[f])
+                    seen[f] = now
+            held.set(st.bytes)
+            capacity.set(st.capacity_bytes)
 
     def on_finish(self, seq: SequenceState) -> None:
         reason = seq.finish_reason or "unknown"

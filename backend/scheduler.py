@@ -159,6 +159,7 @@ class Scheduler:
         self._prefilling.popleft()
         if self.metrics is not None:
             self.metrics.on_first_token(time.perf_counter() - e.t_submit)
+            self.metrics.on_prefix(self.decoder.prefix_stats())
         e.sink.send(out)
         if out.finished:
             self._finish(e)
@@ -180,6 +181,7 @@ class Scheduler:
             self.metrics.on_step(outs, len(batch), [e.seq.drafter.value for e in batch])
             if self.steps % 64 == 1:                            # a few IPC calls: not every step
                 self.metrics.on_corrections(self.decoder.controller.corrections())
+                self.metrics.on_prefix(self.decoder.prefix_stats())
         for e, out in zip(batch, outs):
             e.sink.send(out)
             if out.finished:

@@ -76,6 +76,7 @@ class StepOutput:
     step_depth: int = 0
     step_draft_s: float = 0.0
     step_verify_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache gave this request
 
 
 class TextState:
@@ -131,6 +132,7 @@ class SequenceState:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     prefilled: int = 0                 # prompt tokens already in the target's KV
+    cached_prompt_tokens: int = 0      # of them, copied from the prefix cache (not computed)
     prompt_hidden: np.ndarray | None = None   # [P, H] target features until the drafter begins
 
     @property
@@ -189,7 +191,8 @@ class SequenceState:
         if self.first_token_at is None and self.output_ids:
             self.first_token_at = time.perf_counter()
         return StepOutput(self.seq_id, kept, chunk, self.finished, self.finish_reason,
-                          len(self.output_ids), text_start, self.text.released, self.stats)
+                          len(self.output_ids), text_start, self.text.released, self.stats,
+                          cached_prompt_tokens=self.cached_prompt_tokens)
 
     def _stop_in(self, ids: list[int]) -> bool:
         text = self.text.tok.decode(ids)
@@ -198,4 +201,5 @@ class SequenceState:
     def cancel(self) -> StepOutput:
         self.finished, self.finish_reason = True, "cancelled"
         return StepOutput(self.seq_id, [], "", True, "cancelled", len(self.output_ids),
-                          self.text.released, self.text.released, self.stats)
+                          self.text.released, self.text.released, self.stats,
+                          cached_prompt_tokens=self.cached_prompt_tokens)

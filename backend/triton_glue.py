@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from backend import triton_io
-from backend.config import DrafterKind, RemoteDraft, RequestError, RuntimeOptions, ServeConfig, SpecConfig
+from backend.config import (PREFIX_CACHE_MB, DrafterKind, RemoteDraft, RequestError, RuntimeOptions,
+                            ServeConfig, SpecConfig)
 from backend.sequence import StepOutput
 
 log = logging.getLogger("specdec.triton")
@@ -66,7 +67,7 @@ def serve_config(args: dict) -> ServeConfig:
     return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
                        spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32),
                        runtime=RuntimeOptions(max_sequences=None if slots in ("", "auto") else int(slots)),
-                       remote_draft=remote)
+                       remote_draft=remote, prefix_cache_mb=float(p.get("prefix_cache_mb") or PREFIX_CACHE_MB))
 
 
 def draft_node(args: dict):
@@ -332,6 +333,8 @@ class Service:
         for d in self.decoder.drafters.values():
             if isinstance(d, RemoteDrafter):                      # a draft node: count its calls
                 d.on_call = self.metrics.on_remote_call
+            if hasattr(d, "on_vocab"):                            # a draft with its own vocabulary
+                d.on_vocab = self.metrics.on_vocab
         self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
         self._count = 0
 

@@ -30,7 +30,7 @@ TEXT_START, TEXT_END = "text_start", "text_end"
 SEQUENCE_KEY = "sequence_key"
 STOP = "stop"                       # generator: stop the request with this sequence_key
 STAT_OUTPUTS = ("output_token_count", "total_draft_tokens", "total_accepted_draft_tokens",
-                "acceptance_rate", "mean_accepted_tokens", "finish_reason")
+                "acceptance_rate", "mean_accepted_tokens", "finish_reason", "cached_prompt_tokens")
 REQUEST_INPUTS = (TEXT_INPUT, INPUT_IDS, "apply_chat_template", "max_tokens", "temperature", "top_k",
                   "top_p", "min_p", "random_seed", "stop_words", "end_id", "stream",
                   "num_draft_tokens", "drafter", STOP, SEQUENCE_KEY)
@@ -209,6 +209,7 @@ def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
         "acceptance_rate": np.array([st.acceptance_rate], np.float32),
         "mean_accepted_tokens": np.array([st.mean_accepted_tokens], np.float32),
         "finish_reason": np.array([(out.finish_reason or "").encode()], np.object_),
+        "cached_prompt_tokens": np.array([out.cached_prompt_tokens], np.int32),
     }
 
 

@@ -1,201 +1,278 @@
-"""GPU numbers for the torch runtime, on random weights (timing needs no real weights; a real
-GGUF is used for the speculative bench only when one is given). Needs only torch, triton and
-numpy; no network. Called by benchmarks/gpu_check.sh, which also runs check-kernels.
+"""The GPU check in one run (benchmarks/gpu_check.sh calls it): every step below, each within
+its share of a time budget (default 420 s), then OUTDIR/gpu_summary.md and .json
+(benchmarks/gpu_summary.py). Needs python3, torch, triton and numpy, no network, installs
+nothing; the speculative bench also needs the repository's CPU extras (gguf, tokenizers, jinja2,
+safetensors) and a GGUF.
 
-    python benchmarks/gpu_check.py --out DIR [--quick]
+    python benchmarks/gpu_check.py --out DIR [--gguf PATH] [--budget 420]
+    python benchmarks/gpu_check.py --out DIR --dry-run [--gguf PATH]
 
-Writes DIR/gpu_check.json:
-  logits        the CUDA runtime (fp32 and bf16) vs the CPU runtime (fp32, the references) on the
-                same random 135M-shaped weights: largest |logit difference|, top-1 agreement;
-                and one verify of T tree nodes vs single steps on the GPU (batch invariance)
-  cost_curve    cost(T)/cost(1) for T in 1..64 at batch 1, 8, 32, context 512, CUDA graphs on,
-                for the 135M shape and the Llama-3-8B shape
-  decode        bf16 vs FP8 plain decode tokens/s (batch 1 and 8) for the 8B shape
+--dry-run runs every step on the CPU with small shapes and the same code up to the device calls
+(the kernels in Triton's interpreter, CUDA graphs stubbed: gpu_steps.cpu_graph_stubs), the
+subcommands with small arguments (check-kernels --quick; pytest --collect-only; the build and bench
+on the real GGUF with 1 prompt), and exits 1 unless every step was exercised. The real run exits 1 if a
+step failed or raised. A GGUF too large to carry comes in parts (benchmarks/gpu_payload.py):
+--gguf PATH with PATH.part0, PATH.part1 ... beside it is joined and checked against PATH.sha256;
+a `site` folder beside it (the gguf reader) goes on the subcommands' PYTHONPATH.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import platform
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_summary import Check, Summary  # noqa: E402
 
-from backend.config import RuntimeOptions  # noqa: E402
-from backend.manifest import ModelConfig  # noqa: E402
-from backend.runtime.torch_model import FP8_MAX, fp8_quantize  # noqa: E402
-from backend.runtime.torch_rt import TorchRuntime  # noqa: E402
-
-SHAPES = {
-    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, True),
-    "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, False),
+# step: (what it measures, target, file and function to look at on failure, real budget s)
+STEPS = {
+    "env": ("GPU, driver, library versions", "a CUDA GPU with FP8 (sm >= 8.9)",
+            "nvidia-smi; torch.cuda", 10),
+    "kernels": ("`specdec check-kernels`: tree attention, verify, their TensorRT-plugin variants "
+                "and the engine graph against the numpy references",
+                "attention max |err| <= 1e-3 and bitwise invariant; verify identical",
+                "plugins/kernels.py tree_attention / verify (cases: backend/bench/kernel_check.py)", 150),
+    "logits": ("the torch runtime on the device (fp32, bf16) vs the CPU runtime (fp32, references), "
+               "random 135M-shaped weights", "fp32 relative diff <= 1e-3; bf16 top-1 >= 0.9",
+               "backend/runtime/torch_model.py TorchModel.forward; backend/runtime/torch_rt.py _SlotKV.attend", 60),
+    "tree_invariance": ("bf16: one verify of a 16-node chain vs 16 single steps", "greedy identical",
+                        "plugins/kernels.py tree_attention; backend/runtime/torch_model.py linear_rows "
+                        "(a GEMM's bits may depend on its rows on a GPU)", 0),
+    "cuda_graphs": ("CUDA-graph replay vs eager on the same steps (a batch of trees, then single tokens)",
+                    "max |logit diff| == 0", "backend/runtime/torch_rt.py TorchRuntime._replay", 40),
+    "verify_cost": ("Llama-3-8B shape, bf16, batch 1, context 512: cost(16 tree nodes) / cost(1 node)",
+                    "<= 1.15", "plugins/kernels.py tree_attention (the nodes' loop over the context); "
+                    "backend/runtime/torch_rt.py TorchRuntime._compute", 70),
+    "cost_curves": ("cost(T)/cost(1) for T in 1..64 at batch 1, 8, 32: 135M shape, 8B shape at batch 8, 32",
+                    "recorded (the build measures its own)", "benchmarks/gpu_steps.py cost_curve", 60),
+    "fp8_hardware": ("which FP8 recipes torch._scaled_mm runs here, equal to the emulation",
+                     "channel-tensor and channel-token in hardware (block128 reported)",
+                     "backend/runtime/torch_model.py hardware_fp8, Linear._scaled_mm", 20),
+    "fp8_decode": ("Llama-3-8B shape plain decode tokens/s, bf16 vs each FP8 recipe (batch 1, 8)",
+                   "best hardware FP8 recipe >= 1.5x bf16 at batch 1",
+                   "backend/runtime/torch_model.py Linear._scaled_mm; backend/runtime/fp8.py quantize_input", 120),
+    "spec_bench": ("the real GGUF built (--device cuda, bf16) and `specdec bench --drafter prompt-lookup`",
+                   "speculative output identical to plain; speedup recorded",
+                   "backend/bench/spec_bench.py; backend/runtime/torch_rt.py forward / verify", 120),
+    "plugin_kernel_tests": ("pytest tests/test_kernels.py on the device (the plugin kernels compiled)",
+                            "all pass", "plugins/kernels.py *_plugin_kernel; tests/test_kernels.py", 120),
 }
-LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def random_tensors(cfg: ModelConfig, fmt: str, device: str, seed: int = 0) -> dict:
-    """Random weights of a Llama shape in the engine layout (build/torch_engine.py)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, d = cfg.hidden_size, cfg.head_dim
-    shapes = {"q": (cfg.num_heads * d, h), "k": (cfg.num_kv_heads * d, h), "v": (cfg.num_kv_heads * d, h),
-              "o": (h, cfg.num_heads * d), "gate": (cfg.intermediate_size, h), "up": (cfg.intermediate_size, h),
-              "down": (h, cfg.intermediate_size)}
-    dt = torch.float32 if fmt == "fp32" else torch.bfloat16
-    rnd = lambda *s, std=0.02: (torch.randn(*s, generator=g, device=device, dtype=torch.float32) * std)
-    t = {"embed": rnd(cfg.vocab_size, h, std=1.0).to(dt), "norm": torch.ones(h, device=device, dtype=dt)}
-    if not cfg.tie_word_embeddings:
-        t["lm_head"] = rnd(cfg.vocab_size, h).to(dt)
-    for i in range(cfg.num_layers):
-        t[f"layers.{i}.attn_norm"] = torch.ones(h, device=device, dtype=dt)
-        t[f"layers.{i}.mlp_norm"] = torch.ones(h, device=device, dtype=dt)
-        for n in LINEARS:
-            w = rnd(*shapes[n])
-            if fmt == "fp8":
-                t[f"layers.{i}.{n}"], t[f"layers.{i}.{n}.scale"] = fp8_quantize(w)
-            else:
-                t[f"layers.{i}.{n}"] = w.to(dt)
-        if fmt == "fp8":
-            for key in ("qkv", "o", "gate_up", "down"):
-                t[f"layers.{i}.{key}.act_scale"] = torch.tensor(4.0 / FP8_MAX)
-    return t
+class Budget(Exception):
+    pass
 
 
-def runtime(cfg, tensors, device, max_seq_len=1024, slots=33, dtype=None, graphs=True) -> TorchRuntime:
-    return TorchRuntime(None, cfg, cfg.num_layers, max_seq_len, RuntimeOptions(max_sequences=slots, cuda_graphs=graphs),
-                        device, tensors=tensors, dtype=dtype)
+def _alarm(seconds: float):
+    def fire(*_):
+        raise Budget(f"over its time share ({seconds:.0f} s)")
+    signal.signal(signal.SIGALRM, fire)
+    signal.alarm(max(1, int(seconds)))
 
 
-def chain(n: int) -> np.ndarray:
-    return np.arange(-1, n - 1, dtype=np.int32)[None]
+def _sub(args: list[str], timeout: float, log: Path) -> subprocess.CompletedProcess:
+    """A subcommand with the repository on PYTHONPATH, its output in `log`."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open(log, "w") as f:
+        p = subprocess.run(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    return p
 
 
-def prefill(rt, sids, context, rng):
-    for s in sids:
-        rt.alloc(s)
-        rt.forward([s], rng.integers(3, rt.config.vocab_size, (1, context)), chain(context),
-                   np.array([[context - 1]]))
-        rt.commit([s], [np.arange(context)])
+def machine(dry: bool) -> dict:
+    import torch
+    import triton
+
+    m = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        m.update(gpu=torch.cuda.get_device_name(0), capability=f"{major}.{minor}")
+    else:
+        m.update(gpu=f"none: CPU {platform.processor() or platform.machine()} (dry run)" if dry else "none",
+                 capability="-")
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        m["driver"] = q.stdout.strip() or q.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        m["driver"] = f"nvidia-smi: {type(exc).__name__}"
+    return m
 
 
-def logits_check(quick: bool) -> dict:
-    """CUDA vs CPU runtime on the same fp32 weights; GPU verify-vs-single-steps invariance."""
-    cfg = SHAPES["smollm2-135m"]
-    cpu_t = random_tensors(cfg, "fp32", "cpu")
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(3, cfg.vocab_size, 200)
-    tree = np.array([[-1, 0, 0, 1, 1, 2, 3, 4]], np.int32)
-    toks = rng.integers(3, cfg.vocab_size, (1, tree.shape[1]))
-    out = {}
+class Run:
+    """The steps' implementations; each returns (value, passed: bool | None)."""
 
-    def run(rt):
-        prefill(rt, [0], prompt.size, np.random.default_rng(1))
-        o = rt.forward([0], toks, tree, np.arange(tree.shape[1])[None])
-        return o.logits[0].copy()
+    def __init__(self, out: Path, dry: bool, gguf: str | None, log=print):
+        import gpu_steps
 
-    ref = run(runtime(cfg, cpu_t, "cpu", slots=2))
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        got = run(runtime(cfg, {k: v.cuda() for k, v in cpu_t.items()}, "cuda", slots=2, dtype=dtype))
-        out[f"cuda_{name}_vs_cpu_fp32"] = {
-            "max_abs_logit_diff": float(np.abs(got - ref).max()),
-            "top1_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
-    rt = runtime(cfg, {k: v.cuda() for k, v in cpu_t.items()}, "cuda", slots=4, dtype=torch.bfloat16)
-    prefill(rt, [1, 2], prompt.size, np.random.default_rng(1))
-    chain_toks = rng.integers(3, cfg.vocab_size, 16)
-    single = []
-    for tok in chain_toks:
-        single.append(rt.forward([1], np.array([[tok]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0].copy())
-        rt.commit([1], [np.array([0])])
-    verify = rt.forward([2], chain_toks[None], chain(16), np.arange(16)[None]).logits[0]
-    out["gpu_bf16_verify16_vs_single_steps"] = {
-        "max_abs_logit_diff": float(np.abs(verify - np.stack(single)).max()),
-        "greedy_token_identical": bool(np.array_equal(verify.argmax(-1), np.stack(single).argmax(-1)))}
-    return out
+        self.out, self.dry, self.gguf, self.log, self.S = out, dry, gguf, log, gpu_steps
+        self.plan = gpu_steps.Plan.dry() if dry else gpu_steps.Plan.real()
+        self.py = sys.executable
+        self.scratch = Path(tempfile.mkdtemp(prefix="specdec_gpu_check_"))   # big files stay out of OUTDIR
 
+    def env(self, t):
+        m = machine(self.dry)
+        cap = tuple(int(x) for x in m["capability"].split(".")) if m["capability"] != "-" else (0, 0)
+        return m, cap >= (8, 9)
 
-def time_forward(rt, b: int, t: int, reps: int, first_id: int) -> float:
-    sids = list(range(first_id, first_id + b))
-    rng = np.random.default_rng(t)
-    parents = np.broadcast_to(chain(t), (b, t)).copy()
-    index = np.broadcast_to(np.arange(t), (b, t)).copy()
-    times = []
-    for i in range(reps + 2):
-        ids = rng.integers(3, rt.config.vocab_size, (b, t))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rt.forward(sids, ids, parents, index)
-        rt.commit(sids, [np.zeros(0, np.int64)] * b)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def kernels(self, t):
+        quick = ["--quick"] if self.dry else []
+        p = _sub([self.py, "-m", "backend.cli", "check-kernels", "--json", str(self.out / "kernels.json"), *quick], t,
+                 self.out / "kernels.log")
+        r = json.loads((self.out / "kernels.json").read_text())
+        value = {k["name"]: {"max_abs_err": k["max_abs_err"], "ok": k["ok"], **({"skipped": k["skipped"]}
+                                                                                if "skipped" in k else {})}
+                 for k in r["kernels"]}
+        return value, p.returncode == 0
 
+    def logits(self, t):
+        r = self.S.logits(self.plan)
+        self.invariance = r.pop("bf16_verify_vs_single_steps")
+        return r, r["fp32"]["max_rel_logit_diff"] <= 1e-3 and r["bf16"]["top1_agreement"] >= 0.9
 
-def cost_curve(name: str, fmt: str, quick: bool) -> dict:
-    cfg = SHAPES[name]
-    rt = runtime(cfg, random_tensors(cfg, fmt, "cuda"), "cuda")
-    widths = [1, 2, 4, 8, 16, 32, 64] if quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    out = {}
-    first = 0
-    for b in (1, 8, 32):
-        prefill(rt, list(range(first, first + b)), 512, np.random.default_rng(b))
-        secs = {t: time_forward(rt, b, t, 5 if quick else 10, first) for t in widths}
-        out[f"b{b}"] = {"seconds": {str(t): round(s, 6) for t, s in secs.items()},
-                        "ratio": {str(t): round(s / secs[1], 3) for t, s in secs.items()}}
-        print(f"{name} {fmt} B={b}: " + " ".join(f"T{t}={out[f'b{b}']['ratio'][str(t)]}" for t in widths), flush=True)
-        for s in range(first, first + b):
-            rt.free(s)
-        first += b
-    rt.close()
-    del rt
-    torch.cuda.empty_cache()
-    return out
+    def tree_invariance(self, t):
+        if not hasattr(self, "invariance"):
+            raise RuntimeError("measured by the logits step, which did not finish")
+        return self.invariance, self.invariance["greedy_identical"]
 
+    def cuda_graphs(self, t):
+        stubs = self.S.cpu_graph_stubs() if self.dry else __import__("contextlib").nullcontext()
+        with stubs:
+            r = self.S.graphs(self.plan)
+        return r, r["max_abs_logit_diff"] == 0.0 and r["graphs_captured"] > 0
 
-def decode_speed(fmt: str, quick: bool) -> dict:
-    cfg = SHAPES["llama3-8b"]
-    rt = runtime(cfg, random_tensors(cfg, fmt, "cuda"), "cuda", slots=9)
-    out = {"hardware_fp8": rt.model.hw_fp8}
-    for b in (1, 8):
-        prefill(rt, list(range(b)), 512, np.random.default_rng(b))
-        s = time_forward(rt, b, 1, 20 if quick else 50, 0)
-        out[f"b{b}_tokens_per_s"] = round(b / s, 1)
-        for i in range(b):
-            rt.free(i)
-    rt.close()
-    del rt
-    torch.cuda.empty_cache()
-    print(f"llama3-8b {fmt} decode: {out}", flush=True)
-    return out
+    def verify_cost(self, t):
+        r = self.S.cost_curve(self.plan, "llama3-8b", batches=(1,), log=self.log)
+        self.curve_8b_b1 = r
+        return {"ratio_T16": r["b1"]["ratio"].get("16"), "b1": r["b1"]}, (r["b1"]["ratio"].get("16") or 9) <= 1.15
 
+    def cost_curves(self, t):
+        b = self.plan.batches
+        return {"smollm2-135m": self.S.cost_curve(self.plan, "smollm2-135m", log=self.log),
+                "llama3-8b": self.S.cost_curve(self.plan, "llama3-8b", batches=b[1:], log=self.log)}, None
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "gpu_check needs a CUDA device"
-    result = {"gpu": torch.cuda.get_device_name(0), "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    steps = [("logits", lambda: logits_check(args.quick)),
-             ("cost_curve", lambda: {f"{n}_{f}": cost_curve(n, f, args.quick)
-                                     for n, f in (("smollm2-135m", "bf16"), ("llama3-8b", "bf16"), ("llama3-8b", "fp8"))}),
-             ("decode", lambda: {f: decode_speed(f, args.quick) for f in ("bf16", "fp8")})]
-    path = Path(args.out) / "gpu_check.json"
-    for key, fn in steps:
+    def fp8_hardware(self, t):
+        r = self.S.fp8_hardware(self.plan)
+        self.hw = r
+        return r, r["channel-tensor"] and r["channel-token"]
+
+    def fp8_decode(self, t):
+        """bf16, then each recipe while its share of the budget lasts (a recipe takes ~15 s on
+        an H200: random 8B weights, quantization, graph capture, timing)."""
+        from backend.runtime import fp8
+
+        deadline = time.time() + t
+        r = {"bf16": self.S.decode_speed(self.plan, "bf16", log=self.log)}
+        for rec in fp8.RECIPES:
+            if time.time() > deadline - 25:
+                r[rec.name] = {"skipped": "time budget"}
+                continue
+            r[rec.name] = self.S.decode_speed(self.plan, "fp8", rec, log=self.log)
+        base = r["bf16"]["b1_tokens_per_s"]
+        speedups = {k: round(v["b1_tokens_per_s"] / base, 3) for k, v in r.items()
+                    if k != "bf16" and "skipped" not in v}
+        best = max((s for k, s in speedups.items() if r[k]["hardware_fp8"]), default=0.0)
+        return {"speedup_b1": speedups, "by_format": r}, best >= 1.5
+
+    def spec_bench(self, t):
+        gguf = self._gguf()
+        if gguf is None:
+            return "skipped: no GGUF given (--gguf)", "skip"
+        repo = self.scratch / "repo"
         t0 = time.time()
-        try:
-            result[key] = fn()
-        except Exception as exc:                        # keep what the other steps measured
-            result[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        result[f"{key}_seconds"] = round(time.time() - t0, 1)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"[{key}] done in {result[f'{key}_seconds']} s", flush=True)
-    return 0
+        build = [self.py, "-m", "backend.cli", "build", "--device", "cuda", "--target", str(gguf), "--weights",
+                 "bf16", "--no-invariance-check", "--no-cost-model", "--max-seq-len", "1024", "--output", str(repo)]
+        p = _sub(build, t, self.out / "build.log")
+        if p.returncode:
+            raise RuntimeError(f"build exited {p.returncode} (build.log)")
+        small = ["--limit", "1", "--max-new-tokens", "8"] if self.dry else ["--max-new-tokens", "128"]
+        bench = [self.py, "-m", "backend.cli", "bench", "--model-repository", str(repo), "--drafter",
+                 "prompt-lookup", "--num-draft-tokens", "4", "--json", str(self.out / "spec_bench.json"), *small]
+        p = _sub(bench, max(10, t - (time.time() - t0)), self.out / "spec_bench.log")
+        if p.returncode:
+            raise RuntimeError(f"bench exited {p.returncode} (spec_bench.log)")
+        r = json.loads((self.out / "spec_bench.json").read_text())
+        value = {k: r.get(k) for k in ("speedup", "acceptance_rate", "mean_accepted_tokens", "all_identical_to_plain")}
+        value.update(plain_tokens_per_s=r["plain"]["tokens_per_s"], spec_tokens_per_s=r["spec"]["tokens_per_s"])
+        return value, bool(r.get("all_identical_to_plain"))
+
+    def plugin_kernel_tests(self, t):
+        args = [self.py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+        p = _sub(args + (["--collect-only"] if self.dry else []), t, self.out / "kernel_tests.log")
+        tail = (self.out / "kernel_tests.log").read_text().strip().splitlines()[-1:]
+        return (tail[0] if tail else ""), p.returncode == 0
+
+    def _gguf(self) -> Path | None:
+        if not self.gguf:
+            return None
+        from gpu_payload import join
+
+        return join(Path(self.gguf), self.scratch)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--gguf", default=None, help="the speculative bench's model (or the stem of its parts)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for all steps (real run)")
+    ap.add_argument("--steps", default=None, help="comma-separated subset (default: all)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")        # before plugins.kernels is imported
+    site = Path(args.gguf).parent / "site" if args.gguf else None
+    if site is not None and site.is_dir():                    # the GGUF reader carried beside the parts
+        os.environ["PYTHONPATH"] = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.steps.split(",") if args.steps else list(STEPS)
+    summary = Summary(dry_run=args.dry_run)
+    t_start = time.time()
+    run = Run(out, args.dry_run, args.gguf)
+    total_share = sum(STEPS[n][3] for n in names) or 1
+    for name in names:
+        what, target, look_at, share = STEPS[name]
+        c = Check(name, what, target, look_at)
+        summary.checks.append(c)
+        left = args.budget - (time.time() - t_start)
+        limit = 600.0 if args.dry_run else min(left, max(share, share / total_share * args.budget))
+        t0 = time.time()
+        if not args.dry_run and summary.machine.get("gpu") == "none":
+            c.status, c.detail = "skipped", "no CUDA GPU here (on a CPU: --dry-run)"
+        elif limit < min(share, 15) and not args.dry_run:
+            c.status, c.detail = "skipped", f"time budget spent ({left:.0f} s left)"
+        else:
+            print(f"== {name}: {what}", flush=True)
+            try:
+                _alarm(limit + 30)          # a subcommand's own timeout fires first
+                c.value, passed = getattr(run, name)(limit)
+                signal.alarm(0)
+                if passed == "skip":
+                    c.status, c.detail = "skipped", str(c.value)
+                elif args.dry_run:
+                    c.status = "exercised"
+                else:
+                    c.status = "pass" if passed or passed is None else "fail"
+            except Exception as exc:                        # keep what the other steps measure
+                signal.alarm(0)
+                c.status, c.detail = "error", f"{type(exc).__name__}: {exc}"[:400]
+        c.seconds = round(time.time() - t0, 1)
+        if name == "env" and isinstance(c.value, dict):
+            summary.machine = c.value
+        summary.seconds = time.time() - t_start
+        summary.write(out)                                  # after every step: a killed run keeps it
+        print(f"   {c.status} in {c.seconds} s {c.detail}", flush=True)
+    print((out / "gpu_summary.md").read_text())
+    return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ def tree_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
         ctx = int(ctx_len[r])
         nscratch = int(paths[r].max()) + 1 if paths[r].max() >= 0 else 0
         cols = ctx + nscratch
+        if cols == 0:                           # a padding row (a CUDA graph's bucket): nothing to see, 0
+            continue
         k = k_cache[slots[r], :, :cols].astype(np.float64)                  # [Hkv, cols, D]
         v = v_cache[slots[r], :, :cols].astype(np.float64)
         visible = np.zeros((t, cols), bool)

@@ -43,7 +43,9 @@ def test_build_logits_invariance_and_repository(tiny):
         assert np.abs(out.logits[0] - ref).max() / np.abs(ref).max() < tol, fmt
         rt.close()
     tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(m.resolve(m.engine("fp8").path)))
-    assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.act_scale"] > 0
+    static = m.engines["fp8"].fp8["recipe"]["inputs"] == "tensor"          # the recipe the build chose
+    assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.w_scale"].dtype == torch.float32
+    assert ("layers.0.qkv.act_scale" in tensors) == static and m.engines["fp8"].fp8["measured"]
 
 
 def decoder(m, **spec):

@@ -38,7 +38,7 @@ def tiny(tmp_path_factory):
 def test_without_tensorrt_the_build_writes_engine_ready_onnx_and_says_what_is_missing(tmp_path, capsys):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1)
     m = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", device=Device.TENSORRT,
-                          weights=(WeightFormat.FP8,), drafts=("self:1",)))
+                          weights=(WeightFormat.FP8,), drafts=("self:1",), extra={"fp8_recipe": "channel-tensor"}))
     err = capsys.readouterr().err
     missing = [line for line in err.splitlines() if "no TensorRT engine built" in line]
     assert len(missing) == 1 and ("not installed" in missing[0] or "without the builder" in missing[0]), err
@@ -56,11 +56,20 @@ def test_the_fp8_engine_graph_has_float8_qdq_and_plugin_nodes(tiny):
     ops = [(n.domain, n.op_type) for n in model.graph.node]
     layers = m.model.num_layers
     assert ops.count(("specdec", "tree_attention")) == layers and ops.count(("specdec", "rejection_sample")) == 1
-    assert ops.count(("", "QuantizeLinear")) == 4 * layers            # qkv, o, gate_up, down inputs
+    recipe = m.engines["fp8"].fp8["recipe"]                           # the build's choice (runtime/fp8.py)
+    quantized = 4 * layers - len(recipe["weight_only"])                # qkv, o, gate_up, down inputs
+    if recipe["inputs"] == "tensor":
+        assert ops.count(("", "QuantizeLinear")) == quantized
+    else:
+        to_fp8 = lambda n: any(a.name == "to" and a.i == onnx.TensorProto.FLOAT8E4M3FN for a in n.attribute)
+        assert sum(n.op_type == "Cast" and to_fp8(n) for n in model.graph.node) == quantized
     fp8 = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN and i.dims]
     assert len(fp8) == 4 * layers
     scales = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    assert scales["l0.qkv.w_scale"].shape == (scales["l0.qkv.w_scale"].size,) and scales["l0.qkv.act_scale"].shape == ()
+    if recipe["weight_block"] == [1, 0]:
+        assert scales["l0.qkv.w_scale"].shape == (scales["l0.qkv.w_scale"].size,)
+    if recipe["inputs"] == "tensor":
+        assert scales["l0.qkv.act_scale"].shape == ()
     attn = next(n for n in model.graph.node if n.op_type == "tree_attention")
     assert {a.name: onnx.helper.get_attribute_value(a) for a in attn.attribute}["plugin_namespace"] == b"specdec"
 
@@ -220,7 +229,7 @@ def test_fp8_drafts_get_the_same_treatment(tiny, tmp_path):
     head = m.drafts["eagle"].source
     m8 = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", device=Device.TENSORRT, quiet=True,
                            weights=(WeightFormat.FP8,), drafts=("self:1", f"eagle:{head}"),
-                           measure_costs=False, check_invariance=False))
+                           measure_costs=False, check_invariance=False, extra={"fp8_recipe": "channel-tensor"}))
     scales = {}
     for name in ("self1", "eagle"):
         model = onnx.load(str(m8.resolve(m8.drafts[name].path)))

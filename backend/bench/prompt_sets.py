@@ -13,7 +13,9 @@ PLAIN_CONTINUATION = "plain continuation (no chat template)"
 
 
 def load_prompts(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The prompts of a file, or of several given comma separated (in that order)."""
+    return [json.loads(line) for p in str(path).split(",") if p
+            for line in Path(p).read_text().splitlines() if line.strip()]
 
 
 def default_prompts() -> str:

@@ -38,7 +38,7 @@ from backend.engine_format import rope_tables  # noqa: F401 (re-exported)
 from backend.manifest import ModelConfig, WeightFormat
 
 OPSET = 17
-ENGINE_OPSET = 19        # the engine graph: float8 QuantizeLinear / DequantizeLinear need 19
+ENGINE_OPSET = 21        # the engine graph: float8 Q/DQ need 19, blocked DequantizeLinear 21
 MASK_VALUE = -1e30
 ACCURACY_LEVEL = 4   # int8 activations: the only fast MatMulNBits path on AVX2 (cpu-engine.md §4)
 
@@ -101,41 +101,34 @@ FP8_LINEARS = ("qkv", "o", "gate_up", "down")    # a layer's linears; the rest s
 
 class _Linear:
     """Emits y = x @ W.T (+ b) for one weight format; shares per-block sums of a common input.
-    FP8 (the engine graph): a layer's linear weights as float8 E4M3 with one scale per output
-    channel, and its input quantized per tensor with the calibrated scale
-    ("layers.<i>.<qkv|o|gate_up|down>.act_scale", build/torch_engine.calibrate), as explicit
-    QuantizeLinear / DequantizeLinear pairs TensorRT fuses into FP8 GEMMs; without a scale for
-    an input, the weights alone are FP8."""
+    FP8 (the engine graph): a layer's linears by the build's FP8 recipe (runtime/fp8.py, written
+    by fp8_graph.py): float8 E4M3 weights with their block scales, the input quantized per
+    tensor with its calibrated scale ("layers.<i>.<qkv|o|gate_up|down>.act_scale",
+    build/torch_engine.calibrate) as the QuantizeLinear / DequantizeLinear pairs TensorRT fuses
+    into FP8 GEMMs, or per token / per group as the recipe says; the recipe's weight-only
+    linears (and, in the legacy recipe, an input without a scale) keep their input in float."""
 
-    def __init__(self, g: _Builder, fmt: WeightFormat, act_scales: dict | None = None):
+    def __init__(self, g: _Builder, fmt: WeightFormat, act_scales: dict | None = None, recipe=None):
+        from backend.runtime import fp8
+
         self.g, self.fmt, self.act_scales = g, fmt, act_scales or {}
+        self.recipe = recipe or fp8.LEGACY
         self._block_sums: dict[tuple[str, int], str] = {}
 
-    def _fp8(self, x: str, name: str, w: np.ndarray, act_key: str) -> str:
-        import torch
+    def _fp8(self, x: str, name: str, w: np.ndarray, linear: str, row_scale: np.ndarray | None) -> str:
+        from backend.build.fp8_graph import fp8_linear
 
-        from backend.runtime.torch_model import fp8_quantize
+        act = self.act_scales.get(f"{linear}.act_scale")
+        quantize = self.recipe.quantizes_input(linear) and (act is not None or not self.recipe.static)
+        return fp8_linear(self.g, x, name, w, self.recipe, act, quantize, row_scale)
 
-        g = self.g
-        q, scale = fp8_quantize(torch.from_numpy(np.array(w, np.float32)))      # [N, K], [N]
-        bits = q.T.contiguous().view(torch.uint8).numpy()                         # [K, N]
-        g.inits.append(helper.make_tensor(f"{name}.wT_fp8", TensorProto.FLOAT8E4M3FN, list(bits.shape),
-                                          bits.tobytes(), raw=True))
-        wT = g.op("DequantizeLinear", [f"{name}.wT_fp8", g.init(f"{name}.w_scale", scale.numpy())], axis=1)
-        act = self.act_scales.get(act_key)
-        if act is not None:
-            if "fp8_zero" not in self.g._consts:
-                g.inits.append(helper.make_tensor("fp8_zero", TensorProto.FLOAT8E4M3FN, [], b"\x00", raw=True))
-                g._consts["fp8_zero"] = "fp8_zero"
-            s = g.init(f"{name}.act_scale", np.array(act, np.float32).reshape(()))      # per tensor
-            x = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, "fp8_zero"]), s, "fp8_zero"])
-        return g.op("MatMul", [x, wT], hint=name)
-
-    def __call__(self, x: str, name: str, w, bias: np.ndarray | None = None) -> str:
+    def __call__(self, x: str, name: str, w, bias: np.ndarray | None = None,
+                 row_scale: np.ndarray | None = None) -> str:
+        """row_scale [N]: FP8's output multipliers (q's scale; other formats fold it into w)."""
         g = self.g
         layer = re.fullmatch(r"l(\d+)\.(" + "|".join(FP8_LINEARS) + ")", name)
         if self.fmt is WeightFormat.FP8 and layer and isinstance(w, np.ndarray):
-            y = self._fp8(x, name, w, f"layers.{layer[1]}.{layer[2]}.act_scale")
+            y = self._fp8(x, name, w, f"layers.{layer[1]}.{layer[2]}", row_scale)
         elif isinstance(w, list):
             y = g.op("Concat", [self(x, f"{name}.{j}", part) for j, part in enumerate(w)], axis=-1)
         elif isinstance(w, np.ndarray):
@@ -188,12 +181,14 @@ def _cat(parts):
     return list(parts)
 
 
-def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None) -> onnx.ModelProto:
-    """act_scales: FP8 activation scales (build/torch_engine.calibrate), for WeightFormat.FP8."""
+def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None,
+                  fp8_recipe=None) -> onnx.ModelProto:
+    """act_scales, fp8_recipe: for WeightFormat.FP8, the static recipe's input scales
+    (build/torch_engine.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one)."""
     cfg = ckpt.config
     assert spec.weights is not WeightFormat.FP8 or spec.plugins, "FP8 is a format of the engine graph"
     g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
-    lin = _Linear(g, spec.weights, act_scales)
+    lin = _Linear(g, spec.weights, act_scales, fp8_recipe)
     nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     grp = cfg.num_groups
     # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
@@ -274,13 +269,17 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
             hn = g.op("Concat", [rmsnorm(embeds, t("attn_norm")), rmsnorm(x, t("hidden_norm"))], axis=-1)
         else:
             hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
-        wqkv = _cat([_weight(t("q"), spec.weights, wscale), _weight(t("k"), spec.weights),
+        # FP8 quantizes the runtime's unscaled weights and folds q's scale into their scales
+        fold = spec.weights is WeightFormat.FP8 and wscale != 1.0
+        wqkv = _cat([_weight(t("q"), spec.weights, 1.0 if fold else wscale), _weight(t("k"), spec.weights),
                      _weight(t("v"), spec.weights)])
+        rows = (np.concatenate([np.full(nh * d, wscale, np.float32), np.ones(2 * nkv * d, np.float32)])
+                if fold else None)
         bqkv = None
         if cfg.attention_bias and has("q_bias"):
             bqkv = np.concatenate([t("q_bias").float32() * np.float32(wscale),
                                    t("k_bias").float32(), t("v_bias").float32()])
-        qkv = g.op("Reshape", [lin(hn, f"l{i}.qkv", wqkv, bqkv), g.i64(0, 0, nh + 2 * nkv, d)])
+        qkv = g.op("Reshape", [lin(hn, f"l{i}.qkv", wqkv, bqkv, rows), g.i64(0, 0, nh + 2 * nkv, d)])
         qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
         if cfg.qk_norm:                  # per-head norms of q and k (q's carries its scale)
             qn, kn = t("q_norm"), t("k_norm")
@@ -350,7 +349,7 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     if spec.plugins:
         opsets.append(helper.make_opsetid("specdec", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
-    model.ir_version = 9 if spec.plugins else 8
+    model.ir_version = 10 if spec.plugins else 8
     return model
 
 

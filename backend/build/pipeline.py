@@ -40,7 +40,7 @@ class BuildConfig:
     check_invariance: bool = True
     measure_costs: bool = True
     quiet: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # remote_draft(_kind), default_drafter, fp8_recipe
 
 
 def _tool_versions() -> dict[str, str]:
@@ -96,7 +96,8 @@ def build(cfg: BuildConfig) -> EngineManifest:
 
     ctx = devices.BuildContext(ck, engine_dir, tok_path, min(cfg.max_seq_len, ck.config.max_position_embeddings),
                                cfg.max_batch_size, log, cfg.quiet,
-                               target_features(cfg.drafts, ck.config))   # an EAGLE-3 head's layers
+                               target_features(cfg.drafts, ck.config),   # an EAGLE-3 head's layers
+                               fp8_recipe=cfg.extra.get("fp8_recipe", "auto"))
     if ctx.features:
         log(f"EAGLE-3 head: the target engines output the inputs of layers {list(ctx.features)} as features")
     default_format = cfg.default_format or cfg.weights[0]

@@ -1,15 +1,17 @@
 """The build for `--device cuda`: checkpoint -> torch engine files (safetensors, canonical names
 of build/checkpoint.py) in fp32, bf16 or FP8 E4M3, and what the GPU runtime needs to know.
 
-FP8 recipe (runtime/torch_model.py applies it): each linear weight gets one scale per output
-channel, amax / 448; each linear input one scale, amax / 448 over calibration prompts run
-through the fp32 model (the stdlib-docstring prompts of train/prompts.py, never the benchmark
-prompts). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
+FP8: the recipe (runtime/fp8.py: how weights and linear inputs are scaled) is chosen by measured
+quality (build/fp8_choice.py) or named by `--fp8-recipe`, written into the file's metadata and
+the manifest (EngineFile.fp8); the static recipe's input scales are amax / 448 over calibration
+prompts run through the fp32 model (the stdlib-docstring prompts of train/prompts.py, never the
+benchmark prompts). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
 Knows: checkpoints, the engine file layout, calibration, which GPU this is. Does not know:
 serving.
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +20,11 @@ import numpy as np
 
 from backend.build.checkpoint import Checkpoint
 from backend.manifest import EngineFile, WeightFormat
+from backend.runtime import fp8
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
-ACT_INPUTS = {"qkv": "q", "o": "o", "gate_up": "gate", "down": "down"}   # input -> first weight
+# the linears as the runtime multiplies them (q|k|v and gate|up fused): FP8 scales are per fused linear
+FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 def gpu_info() -> dict | None:
@@ -36,35 +40,46 @@ def gpu_info() -> dict | None:
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
 
 
-def _tensors(ck: Checkpoint, fmt: WeightFormat, num_layers: int, act_scales: dict | None) -> dict:
+def _tensors(ck: Checkpoint, fmt: WeightFormat, num_layers: int, act_scales: dict | None,
+             recipe: fp8.Recipe | None = None) -> dict:
+    """The engine file's tensors; FP8: each fused linear (FUSED) quantized by `recipe` (its parts
+    stored under their own names, the scale once per fused linear, "<linear>.w_scale"), with the
+    static recipe's input scales `act_scales`."""
     import torch
 
-    from backend.runtime.torch_model import fp8_quantize
-
     keep = torch.float32 if fmt is WeightFormat.FP32 else torch.bfloat16
+    f32 = lambda name: torch.from_numpy(np.array(ck.tensors[name].float32()))
     out = {}
-    for name, t in ck.tensors.items():
+    for name in ck.tensors:
         parts = name.split(".")
         if parts[0] == "layers" and int(parts[1]) >= num_layers:
             continue
-        w = torch.from_numpy(np.array(t.float32()))
-        if fmt is WeightFormat.FP8 and parts[0] == "layers" and parts[2] in LINEARS:
-            out[name], out[f"{name}.scale"] = fp8_quantize(w)
-        else:
-            out[name] = w.to(keep).contiguous()
-    if fmt is WeightFormat.FP8:
-        assert act_scales is not None, "FP8 needs calibrated activation scales"
+        if not (fmt is WeightFormat.FP8 and parts[0] == "layers" and parts[2] in LINEARS):
+            out[name] = f32(name).to(keep).contiguous()
+    if fmt is not WeightFormat.FP8:
+        return out
+    recipe = recipe or fp8.LEGACY
+    for i in range(num_layers):
+        for key, names in FUSED.items():
+            parts = [f"layers.{i}.{n}" for n in names]
+            q, out[f"layers.{i}.{key}.w_scale"] = fp8.quantize_weight(torch.cat([f32(n) for n in parts]), recipe)
+            out.update(zip(parts, q.split([ck.tensors[n].shape[0] for n in parts])))
+    if recipe.static:
+        assert act_scales is not None, "a static FP8 recipe needs calibrated activation scales"
         out.update({k: torch.tensor(v, dtype=torch.float32) for k, v in act_scales.items()
                     if int(k.split(".")[1]) < num_layers})
     return out
 
 
 def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path, stem: str,
-           act_scales: dict | None = None) -> EngineFile:
+           act_scales: dict | None = None, recipe: fp8.Recipe | None = None) -> EngineFile:
+    """One engine file; an FP8 one names its recipe in the file's metadata (the runtime reads it)."""
     from safetensors.torch import save_file
 
     path = Path(engine_dir) / f"{stem}.safetensors"
-    save_file(_tensors(ck, fmt, num_layers, act_scales), str(path))
+    meta = {"fp8_recipe": json.dumps((recipe or fp8.LEGACY).to_json())} if fmt is WeightFormat.FP8 else None
+    save_file({k: v.contiguous() for k, v in _tensors(ck, fmt, num_layers, act_scales, recipe).items()},
+              str(path), metadata=meta)
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size)
 
 
@@ -86,15 +101,15 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
     features of the same prompts, as it drafts (x_{t+1} with the feature of x_t; an EAGLE-3 head:
     its fc `head_fc` over the target's `features` layers, drafters/eagle.head_features)."""
     from backend.drafters.eagle import HostFC, head_features
-    from backend.runtime.torch_model import FP8_MAX
 
     with tempfile.TemporaryDirectory() as tmp:
         rt = _fp32_runtime(ck, max_seq_len, tmp, features)
         probe = _fp32_runtime(head, max_seq_len, tmp) if head is not None else rt
     fc = None if head_fc is None else HostFC(head_fc)                 # repacked once, not per prompt
     linears = probe.model.linears()
-    for lin in linears.values():
-        lin.amax = []
+    amax = {name: [] for name in linears}
+    for name, lin in linears.items():
+        lin.observe = lambda x, a=amax[name]: a.append(float(x.abs().max()))
     for i, ids in enumerate(prompts):
         ids = np.asarray(ids[: max_seq_len - 1], np.int64)
         rt.alloc(i)
@@ -109,38 +124,74 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
     rt.close()
     if head is not None:
         probe.close()
-    return {f"{name}.act_scale": margin * max(lin.amax) / FP8_MAX for name, lin in linears.items()}
+    return {f"{name}.act_scale": margin * max(a) / fp8.FP8_MAX for name, a in amax.items()}
 
 
-def calibration_prompts(tokenizer, n: int = 24, max_tokens: int = 384) -> list[list[int]]:
-    """Chat-templated prompts from the Python standard library's docstrings (train/prompts.py)."""
+CALIBRATION_PROMPTS = 24
+
+
+def calibration_prompts(tokenizer, n: int = CALIBRATION_PROMPTS, max_tokens: int = 384) -> list[list[int]]:
+    """Prompts from the Python standard library's docstrings (train/prompts.py): chat-templated,
+    or for a model without a template (a base model: Gemma-3-270M) their text with the
+    tokenizer's special tokens, as bench/prompt_sets.prompt_ids makes a prompt."""
     from backend.train.prompts import build_prompts
 
-    return [tokenizer.encode(tokenizer.apply_chat_template(m), add_special_tokens=False)[:max_tokens]
-            for m in build_prompts(n, seed=1)]
+    def ids(messages):
+        if tokenizer.chat_template:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=True)
+    return [ids(m)[:max_tokens] for m in build_prompts(n, seed=1)]
 
 
-def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
-               features: tuple[int, ...] = ()):
-    """The target in every format (FP8 calibrated first) -> ({format: EngineFile}, {format: s});
-    `features`: EAGLE-3's layers, which the torch runtime outputs (EngineFile.feature_layers)."""
+def choose_recipe(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, act: dict, log,
+                  choice: str = "auto") -> tuple[fp8.Recipe, dict]:
+    """The FP8 recipe of a build and its report (EngineFile.fp8): measured by fp8_choice on
+    `prompts` (held out from the calibration: a static scale must hold beyond the prompts it was
+    calibrated on) when `choice` is "auto", or the one `--fp8-recipe` names (not measured)."""
+    from backend.build import fp8_choice
+
+    if choice != "auto":
+        rec = fp8.recipe(choice)
+        log(f"FP8 recipe {rec.name} (--fp8-recipe; quality not measured)")
+        return rec, {"recipe": rec.to_json(), "chosen_by": "--fp8-recipe", "measured": []}
+    probe = [p[: fp8_choice.PROBE_PROMPT_TOKENS] for p in prompts]
+    rec, report = fp8_choice.choose(ck, probe, max_seq_len, act, log)
+    log(f"FP8 recipe {rec.label} chosen in {report['seconds']}s ({report['positions']} positions)")
+    return rec, {**report, "chosen_by": "measured"}
+
+
+def fp8_plan(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, choice: str = "auto"):
+    """Calibrated input scales, the recipe and its report of an FP8 build (the tensorrt backend
+    shares them)."""
     import time
 
     from backend.tokenizer import Tokenizer
 
-    act = None
-    if WeightFormat.FP8 in formats:
-        t0 = time.time()
-        tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
-                        ck.config.bos_token_id, ck.tokenizer.add_bos_token)
-        prompts = calibration_prompts(tok)
-        act = calibrate(ck, prompts, max_seq_len)
-        log(f"FP8 activation scales calibrated on {len(prompts)} prompts in {time.time() - t0:.1f}s")
+    from backend.build.fp8_choice import PROBE_PROMPTS
+
+    t0 = time.time()
+    tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
+                    ck.config.bos_token_id, ck.tokenizer.add_bos_token)
+    prompts = calibration_prompts(tok, CALIBRATION_PROMPTS + PROBE_PROMPTS)   # prefix: calibration_prompts(tok)
+    act = calibrate(ck, prompts[:CALIBRATION_PROMPTS], max_seq_len)
+    log(f"FP8 activation scales calibrated on {CALIBRATION_PROMPTS} prompts in {time.time() - t0:.1f}s")
+    return (act, *choose_recipe(ck, prompts[CALIBRATION_PROMPTS:], max_seq_len, act, log, choice))
+
+
+def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
+               features: tuple[int, ...] = (), fp8_choice: str = "auto"):
+    """The target in every format (FP8: calibrated and its recipe chosen first) ->
+    ({format: EngineFile}, {format: s}); `features`: EAGLE-3's layers, which the torch runtime
+    outputs (EngineFile.feature_layers)."""
+    import time
+
+    act, recipe, report = fp8_plan(ck, max_seq_len, tokenizer_json, log, fp8_choice) \
+        if WeightFormat.FP8 in formats else (None, None, None)
     engines, timings = {}, {}
     for fmt in formats:
         t0 = time.time()
-        engines[fmt.value] = replace(export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act),
-                                     feature_layers=features)
+        ef = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act, recipe)
+        engines[fmt.value] = replace(ef, feature_layers=features, fp8=report if fmt is WeightFormat.FP8 else None)
         timings[fmt.value] = time.time() - t0
     return engines, timings
 

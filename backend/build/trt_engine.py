@@ -5,16 +5,19 @@ TensorRT engines (`<stem>.plan` beside each `.onnx`) built from it through the O
 the plugins of plugins/trt_plugins.py. Where they are absent it writes the engine-ready ONNX and
 the manifest, builds nothing, and says in one line what is missing.
 
-FP8 is the GPU runtime's recipe (build/torch_engine.py): weights per output channel, each
-linear input per tensor, calibrated on the stdlib-docstring prompts; a draft model gets its own
+FP8 is the GPU runtime's recipe (runtime/fp8.py), chosen the same way (torch_engine.fp8_plan:
+measured quality, or `--fp8-recipe`) and written by build/fp8_graph.py; the static recipe's
+input scales are calibrated on the stdlib-docstring prompts; a draft model gets its own
 calibration, a self-draft reads the target's scales, an EAGLE head is calibrated on the target's
-features of the same prompts (torch_engine.calibrate with `head`); its fc stays float32.
+features of the same prompts (torch_engine.calibrate with `head`); drafts use the target's
+recipe; an EAGLE head's fc stays float32.
 Knows: which files to write, TensorRT's builder and optimization profiles. Does not know:
 graph wiring (graph.py, engine_graph.py), serving.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from backend.build.checkpoint import Checkpoint
@@ -44,9 +47,9 @@ def environment() -> tuple[dict | None, str | None]:
     return {**gpu_info(), "tensorrt": trt.__version__}, None
 
 
-def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: dict | None) -> EngineFile:
+def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: dict | None, recipe=None) -> EngineFile:
     path = Path(engine_dir) / f"{stem}.onnx"
-    model = build_decoder(ck, spec, act_scales=act)
+    model = build_decoder(ck, spec, act_scales=act, fp8_recipe=recipe)
     per_token = weight_bytes_per_token(model)
     size = save_model(model, path)
     return EngineFile(path=path.name, weights=spec.weights, num_layers=spec.num_layers, size_bytes=size,
@@ -69,31 +72,40 @@ def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head
 
 
 def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
-               features: tuple[int, ...] = ()):
-    """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 scales);
-    `features`: EAGLE-3's layers (GraphSpec.feature_layers)."""
-    act = _calibrate(ck, max_seq_len, tokenizer_json, log) if WeightFormat.FP8 in formats else None
+               features: tuple[int, ...] = (), fp8_choice: str = "auto"):
+    """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 input
+    scales, FP8 recipe); `features`: EAGLE-3's layers (GraphSpec.feature_layers)."""
+    from backend.build.torch_engine import fp8_plan
+
+    act, recipe, report = fp8_plan(ck, max_seq_len, tokenizer_json, log, fp8_choice) \
+        if WeightFormat.FP8 in formats else (None, None, None)
     engines, timings = {}, {}
     for fmt in formats:
         t0 = time.time()
         spec = GraphSpec(fmt, ck.config.num_layers, max_seq_len, plugins=True, feature_layers=features)
-        engines[fmt.value] = _write(ck, spec, engine_dir, f"target_{fmt.value}", act)
+        ef = _write(ck, spec, engine_dir, f"target_{fmt.value}", act, recipe)
+        engines[fmt.value] = replace(ef, fp8=report) if fmt is WeightFormat.FP8 else ef
         timings[fmt.value] = time.time() - t0
-    return engines, timings, act
+    return engines, timings, act, recipe
 
 
-# Drafts: engine graphs without the verification tail, in the target's format.
+# Drafts: engine graphs without the verification tail, in the target's format and FP8 recipe
+# (a self-draft's layers are the target's, weight-only linears too; another model's are its own).
+def _own(recipe):
+    return recipe.with_weight_only(()) if recipe is not None else None
+
+
 def export_layers(ck: Checkpoint, n: int, target: EngineFile, act: dict | None, max_seq_len: int, engine_dir: Path,
-                  log) -> tuple[str, DraftEntry]:
+                  log, recipe=None) -> tuple[str, DraftEntry]:
     fmt = target.weights
     ef = _write(ck, GraphSpec(fmt, n, max_seq_len, plugins=True, verify=False), engine_dir,
-                f"draft_self{n}_{fmt.value}", act)
+                f"draft_self{n}_{fmt.value}", act, recipe)
     log(f"self-draft: first {n} layers + head, {fmt.value}")
     return f"self{n}", DraftEntry("self", ef.path, n, ck.source, weights=fmt.value)
 
 
 def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
-                tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
+                tokenizer_json: Path, log, recipe=None) -> tuple[str, DraftEntry]:
     from backend.build.drafts import eagle3_fc, eagle_entry
     from backend.build.heads.eagle import head_checkpoint
 
@@ -102,13 +114,13 @@ def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int
     hact = (_calibrate(ck, max_seq_len, tokenizer_json, log, hck, *eagle3_fc(head, target))
             if fmt is WeightFormat.FP8 else None)
     ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
-                f"draft_eagle_{fmt.value}", hact)
+                f"draft_eagle_{fmt.value}", hact, _own(recipe))
     log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
     return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, weights=fmt.value)
 
 
 def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
-                       tokenizer_json: Path, log) -> tuple[str, DraftEntry]:
+                       tokenizer_json: Path, log, recipe=None) -> tuple[str, DraftEntry]:
     from backend.build.drafts import draft_checkpoint
 
     fmt = target.weights
@@ -116,7 +128,7 @@ def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_le
     dact = _calibrate(dck, max_seq_len, tokenizer_json, log) if fmt is WeightFormat.FP8 else None
     stem = f"draft_{Path(spec).stem.replace('.', '_')}_{fmt.value}"
     ef = _write(dck, GraphSpec(fmt, dck.config.num_layers, max_seq_len, plugins=True, verify=False), engine_dir,
-                stem, dact)
+                stem, dact, _own(recipe))
     log(f"draft model {spec}: {dck.config.num_layers} layers, {fmt.value}")
     return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(spec), weights=fmt.value,
                                model=dck.config)

@@ -162,8 +162,9 @@ class AdaptiveController:
                 self.trees.observe(seq, size, verdict.num_accepted, self._now)
                 self._learned += 1
             return
-        self.chains.observe(seq, depth, verdict.num_accepted, verdict.output_ids)
-        self._learned += 1              # chains learn from every step (previews are scored)
+        if self.chains.observe(seq, depth, verdict.num_accepted, verdict.output_ids):
+            self._learned += 1          # previews are scored every step; a draft model idle at
+                                        # k = 0 shows none and learns nothing: the plain choice holds
 
     def observe_step(self, batch: int, width: int, draft_s: float, verify_s: float, nodes: int | None = None) -> None:
         self._now += 1

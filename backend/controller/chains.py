@@ -82,13 +82,16 @@ class ChainAcceptance:
     def set_previews(self, seqs: list[SequenceState], previews: list[list[int] | None]) -> None:
         self._previews = {s.seq_id: pv for s, pv in zip(seqs, previews) if pv}
 
-    def observe(self, seq: SequenceState, depth: int, num_accepted: int, emitted) -> None:
-        """A step of a chain row: score its previews if its drafter shows them, else the draft."""
+    def observe(self, seq: SequenceState, depth: int, num_accepted: int, emitted) -> bool:
+        """A step of a chain row: score its previews if its drafter shows them, else the draft.
+        -> whether it was evidence (False: a drafter without previews that drafted nothing)."""
         pv = self._previews.get(seq.seq_id)
         if pv is not None or seq.seq_id in self._tracked:
             self._track(seq, pv, emitted)
-        elif depth:
+            return True
+        if depth:
             self._record(seq, depth, num_accepted)
+        return bool(depth)
 
     def _record(self, seq: SequenceState, depth: int, accepted: int) -> None:
         st = self._seq.setdefault(seq.seq_id, _Depths(self.max_k, self.decay))

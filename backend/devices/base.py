@@ -37,6 +37,7 @@ class BuildContext:
     quiet: bool = False
     features: tuple[int, ...] = ()
     state: dict = field(default_factory=dict)
+    fp8_recipe: str = "auto"                # FP8: "auto" (chosen by measured quality) or a recipe's name
 
 
 @dataclass(frozen=True)

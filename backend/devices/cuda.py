@@ -35,7 +35,7 @@ class CudaBackend(EngineBackend):
         from backend.build import torch_engine
 
         return torch_engine.export_all(ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
-                                       ctx.log, ctx.features)
+                                       ctx.log, ctx.features, ctx.fp8_recipe)
 
     def export_layers(self, ctx, n, serving):
         from backend.build import torch_engine

@@ -2,8 +2,9 @@
 blocks, repacked for the kernel. The CPU default where the install compiled the kernel.
 
 Knows: the native engine file (build/native_engine.py writes it), which drafts run on the
-kernel beside it (the target's first layers, an EAGLE head) and which on ONNX Runtime (a draft
-model), loading runtime/native.py. Does not know: the decode algorithm.
+kernel beside it (the target's first layers, an EAGLE head, a separate draft model whose
+description it implements) and which on ONNX Runtime (any other draft model), loading
+runtime/native.py. Does not know: the decode algorithm.
 """
 from __future__ import annotations
 
@@ -45,8 +46,22 @@ class NativeBackend(EngineBackend):
         ctx.log(f"self-draft: first {n} layers + head of {serving.path}")
         return f"self{n}", DraftEntry("self", serving.path, n, ctx.ck.source, weights=serving.weights.value)
 
-    def export_model(self, ctx, path, serving):      # a separate draft model runs on ONNX Runtime
-        return export_draft_model(ctx, path)
+    def export_model(self, ctx, path, serving):
+        """A separate draft model on the kernel too (its own engine file), where the kernel
+        implements its model description; else on ONNX Runtime."""
+        from pathlib import Path
+
+        from backend.build import drafts as drafts_mod
+        from backend.build.native_engine import export_native
+
+        dck = drafts_mod.draft_checkpoint(path, ctx.ck.config)
+        if self.unsupported(dck.config):
+            return export_draft_model(ctx, path)
+        ef = export_native(dck, dck.config.num_layers, ctx.max_seq_len,
+                           ctx.engine_dir / f"draft_{Path(path).stem.replace('.', '_')}_gguf.bin")
+        ctx.log(f"draft model {path}: {dck.config.num_layers} layers, gguf blocks on the native kernel")
+        return "model", DraftEntry("model", ef.path, dck.config.num_layers, str(path), weights=WeightFormat.GGUF.value,
+                                   model=dck.config)
 
     def export_head(self, ctx, head, serving):
         return export_eagle(ctx, head, native=True)

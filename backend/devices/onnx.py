@@ -35,8 +35,8 @@ def export_graph(ck, fmt: WeightFormat, num_layers: int, ctx: BuildContext, stem
 
 
 def export_draft_model(ctx: BuildContext, spec: str) -> tuple[str, DraftEntry]:
-    """A separate draft model (same vocabulary) as a q4 graph (fp32 where its width is not a
-    multiple of the 4-bit block)."""
+    """A separate draft model (its vocabulary the target's or its own: draft_kinds/draft_model.py
+    adds the map) as a q4 graph (fp32 where its width is not a multiple of the 4-bit block)."""
     from backend.build import drafts as drafts_mod
 
     dck = drafts_mod.draft_checkpoint(spec, ctx.ck.config)

@@ -42,27 +42,28 @@ class TensorrtBackend(EngineBackend):
     def export_targets(self, ctx, formats):
         from backend.build import trt_engine
 
-        engines, timings, ctx.state["act"] = trt_engine.export_all(
-            ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json, ctx.log, ctx.features)
+        engines, timings, ctx.state["act"], ctx.state["recipe"] = trt_engine.export_all(
+            ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json, ctx.log, ctx.features,
+            ctx.fp8_recipe)
         return engines, timings
 
     def export_layers(self, ctx, n, serving):
         from backend.build import trt_engine
 
         return trt_engine.export_layers(ctx.ck, n, serving, ctx.state.get("act"), ctx.max_seq_len, ctx.engine_dir,
-                                        ctx.log)
+                                        ctx.log, ctx.state.get("recipe"))
 
     def export_model(self, ctx, path, serving):
         from backend.build import trt_engine
 
         return trt_engine.export_draft_model(path, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir,
-                                             ctx.tokenizer_json, ctx.log)
+                                             ctx.tokenizer_json, ctx.log, ctx.state.get("recipe"))
 
     def export_head(self, ctx, head, serving):
         from backend.build import trt_engine
 
         return trt_engine.export_head(head, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
-                                      ctx.log)
+                                      ctx.log, ctx.state.get("recipe"))
 
     def finish(self, ctx, engines, drafts):
         """Plans for every written graph, where this machine has a GPU and TensorRT's builder."""

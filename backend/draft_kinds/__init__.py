@@ -10,16 +10,19 @@ from __future__ import annotations
 import contextlib
 
 from backend.draft_kinds.base import DraftKind
+from backend.draft_kinds.cross_vocab import CrossVocabKind
 from backend.draft_kinds.draft_model import DraftModelKind, default_draft_model
 from backend.draft_kinds.eagle import EagleKind, eagle_drafter
 from backend.draft_kinds.medusa import MedusaKind
 from backend.draft_kinds.prompt_lookup import PromptLookupKind
+from backend.draft_kinds.suffix import SuffixKind
 
 __all__ = ["KINDS", "DraftKind", "default_draft_model", "eagle_drafter", "kind_for", "registered", "spec_forms"]
 
 # One line per kind, in the order their drafters are made (a kind may build on earlier ones:
 # lookup+eagle on prompt lookup).
-KINDS: list[DraftKind] = [PromptLookupKind(), DraftModelKind(), EagleKind(), MedusaKind()]
+KINDS: list[DraftKind] = [PromptLookupKind(), SuffixKind(), DraftModelKind(), CrossVocabKind(), EagleKind(),
+                          MedusaKind()]
 
 
 def kind_for(spec: str) -> DraftKind:

@@ -1,5 +1,7 @@
-"""A draft model: a separate checkpoint with the target's vocabulary (`--draft PATH`) or the
-target's own first N layers and head (`--draft self:N`), served as the `draft-model` drafter.
+"""A draft model: a separate checkpoint (`--draft PATH`) or the target's own first N layers and
+head (`--draft self:N`), served as the `draft-model` drafter. A checkpoint with a vocabulary of
+its own is exported the same way and its entry becomes `cross-vocab` (the vocabulary map beside
+it, build/drafts.py), which draft_kinds/cross_vocab.py times and serves.
 
 Knows: both spec forms, which built draft serves (a separate model over the first layers), how a
 draft forward and its catch-up are timed. Does not know: engine formats (the backend writes them).
@@ -33,7 +35,10 @@ class DraftModelKind(DraftKind):
 
         if spec.startswith(self.prefix):
             return backend.export_layers(ctx, drafts_mod.self_layers(spec, ctx.ck.config), serving)
-        return backend.export_model(ctx, spec, serving)
+        dck = drafts_mod.draft_checkpoint(spec, ctx.ck.config)
+        vmap = drafts_mod.vocabulary_map(dck, ctx.ck, ctx.tokenizer_json.read_text(encoding="utf-8"))
+        name, entry = backend.export_model(ctx, spec, serving)
+        return (name, entry) if vmap is None else (name, drafts_mod.cross_vocab_entry(ctx, entry, dck, vmap))
 
     def time(self, manifest, context, reps):
         from backend.build.timing import Shape, time_round_robin
@@ -51,7 +56,7 @@ class DraftModelKind(DraftKind):
         if DrafterKind.DRAFT_MODEL in made or not want(DrafterKind.DRAFT_MODEL):
             return {}
         name = spec.draft_model or default_draft_model(manifest)
-        if name is None:
+        if name is None or (name in manifest.drafts and manifest.drafts[name].kind not in self.entry_kinds):
             return {}
         from backend.devices import load_runtime
         from backend.drafters.draft_model import DraftModelDrafter

@@ -15,7 +15,9 @@ losslessly, and the output is that of plain sampling with the request's seed.
 
 The draft's KV keeps every token it was fed; after verification it is truncated back to the
 committed sequence (what was accepted), so its state stays valid whatever budget the
-controller gives (including steps with no speculation).
+controller gives (including steps with no speculation). Where the draft's runtime keeps a
+prefix cache of its own (engine.enable_prefix_caches), a sequence starts with the cached blocks
+of its prompt and the first catch-up feeds only the rest.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class DraftModelDrafter:
 
     def begin(self, seq: SequenceState, prompt_hidden) -> None:
         self.rt.alloc(seq.seq_id)
-        self._fed[seq.seq_id] = 0
+        cache = getattr(self.rt, "prefix_cache", None)       # the draft's own (engine.py)
+        self._fed[seq.seq_id] = cache.attach(seq.seq_id, seq.prompt_ids).tokens if cache is not None else 0
 
     def end(self, seq: SequenceState) -> None:
         self.rt.free(seq.seq_id)
@@ -95,7 +98,10 @@ class DraftModelDrafter:
         last = np.array([[p.size - 1] for p in pend])
         out = self.rt.forward([s.seq_id for s in rows], ids, parents, last)
         self.rt.commit([s.seq_id for s in rows], [np.arange(p.size) for p in pend])
+        cache = getattr(self.rt, "prefix_cache", None)
         for s, p in zip(rows, pend):
+            if cache is not None and self._fed[s.seq_id] < len(s.prompt_ids):
+                cache.publish(s.seq_id, s.prompt_ids)        # the prompt is in the draft's KV now
             self._fed[s.seq_id] += p.size
         # 2) one token (plus siblings) per depth
         nodes = [[(-1, s.root)] for s in rows]                # (parent, token)

@@ -11,6 +11,8 @@ with its own KV cache. Per step and sequence:
      shrink) as the tree the target verifies. The head's scratch KV is then dropped.
 Drafts are deterministic (q = point masses), so verification is lossless for every sampling
 parameter. The head's vocabulary is a subset of the target's (FR-Spec); `vocab` maps it back.
+Where the head's runtime keeps a prefix cache (engine.enable_prefix_caches), a sequence starts
+with the head's cached columns of its prompt and catches up on the rest.
 An EAGLE-3 head (Li et al. 2025, arXiv:2503.01840) reads the target's low, middle and high layer
 features through its fc (`head_features`, here on the host: the head engine takes H-wide
 features, and its own outputs skip the fc); its tree search is the same.
@@ -22,6 +24,7 @@ import numpy as np
 from backend.config import SamplingParams, SpecConfig
 from backend.drafters.base import Draft, DrafterTraits
 from backend.kv_cache import PAD_PARENT
+from backend.prefix_cache import chain_root
 from backend.sequence import SequenceState
 from backend.tree import TokenTree
 
@@ -87,6 +90,12 @@ def level_gate(cost_model: dict | None) -> float:
     return min(0.5, cost_model["draft_step_s"]["eagle"] / step)
 
 
+def _head_prefix(seq: SequenceState) -> tuple:
+    """The head's prefix-cache chain (prefix_cache.chain_root): its column j holds the pair
+    (target feature of token j, token j + 1), a function of the prompt's first j + 2 tokens."""
+    return seq.prompt_ids[1:], chain_root(b"eagle", seq.prompt_ids[0])
+
+
 class EagleDrafter:
     name = "eagle"
 
@@ -126,8 +135,12 @@ class EagleDrafter:
     def begin(self, seq: SequenceState, prompt_hidden) -> None:
         assert prompt_hidden is not None and len(prompt_hidden) == len(seq.prompt_ids), "prompt features"
         self.rt.alloc(seq.seq_id)
-        self._pending[seq.seq_id] = [np.asarray(prompt_hidden, np.float32)]
-        self._fed[seq.seq_id] = 0
+        cache, n = getattr(self.rt, "prefix_cache", None), 0    # the head's own (engine.py)
+        if cache is not None:
+            tokens, root = _head_prefix(seq)
+            n = cache.attach(seq.seq_id, tokens, root=root).tokens
+        self._pending[seq.seq_id] = [np.asarray(prompt_hidden[n:], np.float32)]
+        self._fed[seq.seq_id] = n
 
     def observe(self, seq: SequenceState, draft: Draft, accepted_nodes, hidden) -> None:
         self._pending[seq.seq_id].append(hidden.astype(np.float32))   # joined at catch-up, not per step
@@ -217,7 +230,11 @@ class EagleDrafter:
         logits = out.logits[:, 0].copy()
         root_feat = np.stack([out.hidden[r, len(f) - 1] for r, f in enumerate(pend)])
         self.rt.commit([s.seq_id for s in seqs], [np.arange(len(f)) for f in pend])
+        cache = getattr(self.rt, "prefix_cache", None)
         for s, f in zip(seqs, pend):
+            if cache is not None and self._fed[s.seq_id] < len(s.prompt_ids) - 1:
+                tokens, root = _head_prefix(s)
+                cache.publish(s.seq_id, tokens, root=root)   # the prompt is in the head's KV now
             self._fed[s.seq_id] += len(f)
             self._pending[s.seq_id] = []
         return logits, root_feat

@@ -60,6 +60,7 @@ class RemoteDrafter:
         self.fallback = fallback
         self.retry_s, self.retry_max_s = retry_s, retry_max_s
         self.on_call = on_call or (lambda outcome, seconds, fallback_rows: None)
+        self.on_vocab = lambda drawn, outside: None          # a node's draft tokens outside the vocabulary
         self._seqs: dict[int, _Sync] = {}
         self._released: list[str] = []
         self._down_until = 0.0
@@ -112,6 +113,8 @@ class RemoteDrafter:
             return self._fall_back(seqs, max_tokens, rows, drafts, (outcome, time.perf_counter() - t0))
         self._backoff = self.retry_s
         self._released = [k for k in self._released if k not in request["released"]]
+        if "vocab" in response:
+            self.on_vocab(*response["vocab"])
         resync = []
         for i, row in zip(rows, response["rows"]):
             sync = self._seqs[seqs[i].seq_id]

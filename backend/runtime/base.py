@@ -16,6 +16,9 @@ small host arrays: token ids, tree parents, accepted node lists.
                                       the logits are, so only the accepted paths cross to the host
     commit(seq_ids, keep)             keep the accepted nodes' KV, drop the rest
     truncate(seq_id, length)          forget committed tokens beyond `length` (draft rollback)
+    prefix_cache                      optional (runtimes of slots, once engine.enable_prefix_caches
+                                      made one; else absent or None): prefix_cache.PrefixCache, which
+                                      starts a new sequence with the cached blocks of its prompt
 """
 from __future__ import annotations
 

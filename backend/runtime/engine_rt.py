@@ -32,6 +32,7 @@ from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
+from backend.runtime.slot_blocks import SlotBlocks
 
 MAX_VERIFY_NODES = 64     # plugins/kernels.PLUGIN_MAX_NODES: wider trees are verified on the host
 VERIFY_INPUTS = ("parents", "temperature", "top_k", "top_p", "min_p", "seeds", "out_positions")
@@ -147,9 +148,15 @@ class EngineRuntime(SlotSequences):
         self.run_pending()
         self.slots.truncate(seq_id, length)
 
+    def block_storage(self) -> SlotBlocks:
+        """The executor's per-layer caches [S + 1, Hkv, L, D]; its stream sees each copy done."""
+        return SlotBlocks(lambda: [c for kv in self.ex.cache for c in kv], 0, self.slots,
+                          getattr(self.ex, "synchronize", None))
+
     def close(self) -> None:
         self._pending = None
         self.slots.clear()
+        self.prefix_cache = None
         self.ex.close()
 
 

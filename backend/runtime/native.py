@@ -8,6 +8,7 @@ takes padding rows' writes, L = max_seq_len + SCRATCH_COLUMNS), its bookkeeping 
 as in the torch runtime: a forward writes its nodes' KV in place and commit moves the accepted
 columns down, so no step copies the cache (the ONNX graph's Concat copied all of it each step).
 The array is allocated zeroed and lazily by the OS: memory grows with the columns in use.
+The prefix cache's block pool sits beside it (runtime/slot_blocks.py, the same float16 bits).
 Scratch: one sd_workspace per runtime, grown by the kernel to the largest forward so far and
 freed by close() (a steady decode step allocates nothing).
 Knows: the C entry points and their structs, slots. Does not know: sampling, drafting, requests.
@@ -31,6 +32,7 @@ from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
 from backend.runtime.ort import Grow, default_threads     # output buffers; the shared thread count
+from backend.runtime.slot_blocks import SlotBlocks
 
 _P = ctypes.c_void_p
 _I32, _I64, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -334,6 +336,9 @@ class NativeRuntime(SlotSequences):
         with self._lock:
             self.slots.truncate(seq_id, length)
 
+    def block_storage(self) -> SlotBlocks:
+        return SlotBlocks(lambda: [self.cache], 2, self.slots)
+
     def close(self) -> None:
         """Frees the KV cache and the workspace; under the lock, so a forward still running on
         another thread (a server stopping mid-step) finishes before the memory its struct points
@@ -342,4 +347,5 @@ class NativeRuntime(SlotSequences):
             self.slots.clear()
             self._cache.cache = None
             self.cache = None
+            self.prefix_cache = None
             self._free_workspace()

@@ -13,11 +13,15 @@ Weights come from an engine file the build wrote (build/torch_engine.py), canoni
 build/checkpoint.py, in one of three formats:
     fp32  float32 (the reference; CPU tests)
     bf16  bfloat16
-    fp8   float8 E4M3 with a float32 scale per output channel ("<name>.scale"), and one float32
-          scale per linear input ("layers.<i>.<qkv|o|gate_up|down>.act_scale", calibrated at
-          build): y = (q8(x / s_x) s_x) (W8 s_w)^T. On a GPU with FP8 tensor cores
-          torch._scaled_mm runs it in hardware; elsewhere (CPU, older GPUs) the same numbers
-          are emulated in the compute dtype. The embedding, norms and LM head stay bf16/fp32.
+    fp8   float8 E4M3 by the engine's FP8 recipe (runtime/fp8.py, named in the file's metadata;
+          files without one are per-channel weights and static per-tensor inputs): each fused
+          linear's weight scale "layers.<i>.<qkv|o|gate_up|down>.w_scale" (older files: a scale
+          per output channel "<name>.scale"), for the static recipe its calibrated input scale
+          ".act_scale"; y = (q8(x / s_x) s_x) (W8 s_w)^T block by block. Where this GPU runs
+          the recipe's scaled GEMM (probed at load against the emulation: hardware_fp8),
+          torch._scaled_mm runs it; elsewhere (CPU, older GPUs, MX scales on Hopper, the
+          weight-only linears) the same numbers are emulated in the compute dtype. The
+          embedding, norms and LM head stay bf16/fp32.
 On a CPU every linear pads its rows to a multiple of 8: this CPU's GEMM gives a row the same
 bits at any M that is (measured), so a verify of T tokens matches T single steps.
 Knows: tensors, layer math. Does not know: slots, trees, requests.
@@ -31,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.manifest import ModelConfig
+from backend.runtime import fp8
 
-FP8_MAX = 448.0
 CPU_ROW_MULTIPLE = 8
 
 
@@ -46,57 +50,100 @@ class KVAccess(Protocol):
         .windows)."""
 
 
-def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (float8 E4M3 weights, float32 scale per output channel)."""
-    w = w.float()
-    scale = (w.abs().amax(1) / FP8_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+def _hw_kind(rec: fp8.Recipe) -> str | None:
+    """Which torch._scaled_mm form runs `rec`: "rowwise" (per-channel weights, per-tensor or
+    per-token inputs), "block128" (128 x 128 weights, 1 x 128 inputs), None (emulated only)."""
+    if rec.weight_block == (1, 0) and rec.inputs in ("tensor", "token"):
+        return "rowwise"
+    if rec.weight_block == (128, 128) and rec.inputs == "group" and rec.group == 128 and not rec.pow2:
+        return "block128"
+    return None
 
 
-def hardware_fp8(device: torch.device) -> bool:
-    """torch._scaled_mm with per-row scales works here (Hopper/Ada and a recent torch)."""
-    if device.type != "cuda":
+_PROBED: dict[tuple[str, str], bool] = {}
+
+
+def hardware_fp8(device: torch.device, rec: fp8.Recipe = fp8.LEGACY) -> bool:
+    """Whether torch._scaled_mm runs `rec` on this GPU and gives the emulation's numbers
+    (probe_scaled_mm, once per device and form); never on a CPU (where the emulation is faster)."""
+    kind = _hw_kind(rec)
+    if device.type != "cuda" or kind is None:
         return False
+    if (str(device), kind) not in _PROBED:
+        _PROBED[(str(device), kind)] = probe_scaled_mm(device, rec)
+    return _PROBED[(str(device), kind)]
+
+
+def probe_scaled_mm(device: torch.device, rec: fp8.Recipe) -> bool:
+    """Linear's torch._scaled_mm path for `rec` on `device` against the emulation: a 256 x 384
+    product at 1 and 20 rows within 1e-2 relative (the same bf16 input); False where it raises
+    (no such kernel here)."""
+    if _hw_kind(rec) is None:
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(256, 384, generator=g, device=device)
     try:
-        a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-        b = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-        torch._scaled_mm(a, b.t(), scale_a=torch.ones(16, 1, device=device),
-                         scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+        lin = Linear(*fp8.quantize_weight(w, rec), None, torch.bfloat16, rec, act_scale=0.01, hw=True)
+        emu = Linear(*fp8.quantize_weight(w, rec), None, torch.float32, rec, act_scale=0.01, hw=False)
+        for m in (1, 20):
+            x = torch.randn(m, 384, generator=g, device=device).to(torch.bfloat16)
+            y, ref = lin(x).float(), emu(x.float())
+            if not bool(((y - ref).norm() / ref.norm()) < 1e-2):
+                return False
         return True
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
 
 
 class Linear:
-    """y = x W^T (+ b) in one weight format. `amax`: a list that collects max |x| (calibration)."""
+    """y = x W^T (+ b) in one weight format: plain (w_scale None) or FP8 by `recipe` (w: float8
+    [N, K], w_scale its block scales, act_scale the static recipe's input scale; `quantize_input`
+    False: weight-only). `hw`: torch._scaled_mm (the model decides per recipe, hardware_fp8).
+    `observe`: a callable given each input (the build's calibration)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 w_scale: torch.Tensor | None = None, act_scale: float | None = None, hw_fp8: bool = False):
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype, recipe: fp8.Recipe | None = None, act_scale: float | None = None,
+                 quantize_input: bool = True, hw: bool = False):
         self.fp8 = w_scale is not None
-        self.hw = self.fp8 and hw_fp8
+        self.recipe = recipe or fp8.LEGACY
+        self.qin = self.fp8 and quantize_input
         self.act_scale = act_scale
+        self.n = w.shape[0]
         self.bias = None if bias is None else bias.to(dtype)
-        self.amax: list[float] | None = None
-        if self.hw:
+        self.observe = None
+        self.hw = _hw_kind(self.recipe) if self.qin and hw else None
+        if self.hw == "rowwise":
             self.w8, self.w_scale = w, w_scale.float().view(1, -1)
+        elif self.hw == "block128":    # K and N padded to whole blocks (zeros add nothing; the
+            pn, pk = -w.shape[0] % 128, -w.shape[1] % 128       # scales already cover them)
+            self.w8 = torch.nn.functional.pad(w.view(torch.uint8), (0, pk, 0, pn)).view(torch.float8_e4m3fn)
+            self.w_scale = w_scale.float().t()     # [K/128, N/128], as cuBLAS's 128 x 128 scaling reads it
         elif self.fp8:
-            self.w = (w.float() * w_scale.float()[:, None]).to(dtype)   # exact E4M3 values x scale
+            self.w = fp8.dequantize_weight(w, w_scale, self.recipe).to(dtype)    # exact E4M3 values x scale
         else:
             self.w = w.to(dtype)
         self.pad = w.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amax is not None:
-            self.amax.append(float(x.abs().max()))
-        if self.fp8:
-            s = self.act_scale
-            xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            if self.hw:
-                y = torch._scaled_mm(xq, self.w8.t(), scale_a=torch.full((x.shape[0], 1), s, device=x.device),
-                                     scale_b=self.w_scale, out_dtype=torch.bfloat16)
-                return y if self.bias is None else y + self.bias
-            x = (xq.float() * s).to(self.w.dtype)
+        if self.observe is not None:
+            self.observe(x)
+        if self.hw:
+            y = self._scaled_mm(x)
+            return y if self.bias is None else y + self.bias
+        if self.qin:
+            x = fp8.fake_quant_input(x, self.recipe, self.act_scale).to(self.w.dtype)
         return linear_rows(x, self.w, self.bias, self.pad)
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hw == "block128":
+            x = torch.nn.functional.pad(x, (0, self.w8.shape[1] - x.shape[1]))
+        xq, s = fp8.quantize_input(x, self.recipe, self.act_scale)
+        if self.hw == "rowwise":
+            s = s.expand(x.shape[0], 1).contiguous()
+        else:                                    # 1 x 128 input scales outer-dim-major (cuBLAS)
+            s = s.t().contiguous().t()
+        y = torch._scaled_mm(xq, self.w8.t(), scale_a=s, scale_b=self.w_scale, out_dtype=torch.bfloat16)
+        return y[:, : self.n]
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pad: bool) -> torch.Tensor:
@@ -109,16 +156,22 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pad
 
 
 class _Layer:
-    def __init__(self, t, i: int, cfg: ModelConfig, dtype, hw_fp8: bool):
+    def __init__(self, t, i: int, cfg: ModelConfig, dtype, recipe: fp8.Recipe, hw_fp8: bool):
         def lin(names: list[str], key: str, bias: list[str] | None = None) -> Linear:
             w = torch.cat([t[f"layers.{i}.{n}"] for n in names])
-            fp8 = f"layers.{i}.{names[0]}.scale" in t
-            scale = torch.cat([t[f"layers.{i}.{n}.scale"] for n in names]) if fp8 else None
-            act = float(t[f"layers.{i}.{key}.act_scale"]) if fp8 else None
             b = None
             if bias and f"layers.{i}.{bias[0]}" in t:
                 b = torch.cat([t[f"layers.{i}.{n}"] for n in bias])
-            return Linear(w, b, dtype, scale, act, hw_fp8)
+            if w.dtype != torch.float8_e4m3fn:
+                return Linear(w, None, b, dtype)
+            name = f"layers.{i}.{key}"
+            scale = t.get(f"{name}.w_scale")
+            if scale is None:                    # an engine file of before recipes: per channel
+                scale = torch.cat([t[f"layers.{i}.{n}.scale"] for n in names]).view(-1, 1)
+            assert tuple(scale.shape) == fp8.scale_shape(tuple(w.shape), recipe.weight_block), \
+                f"{name}: weight scale {tuple(scale.shape)} is not recipe {recipe.name}'s"
+            act = float(t[f"{name}.act_scale"]) if recipe.static else None
+            return Linear(w, scale, b, dtype, recipe, act, recipe.quantizes_input(name), hw_fp8)
 
         opt = lambda n: None if f"layers.{i}.{n}" not in t else t[f"layers.{i}.{n}"].to(dtype)
         self.attn_norm = opt("attn_norm")                  # absent in an EAGLE-1/2 head's layer
@@ -141,7 +194,9 @@ class _Layer:
 class TorchModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], num_layers: int,
                  device: torch.device, max_positions: int, dtype: torch.dtype | None = None,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), fp8_recipe: fp8.Recipe | None = None):
+        """fp8_recipe: how an FP8 engine's linears are scaled (the file's; None: the legacy
+        per-channel, static per-tensor recipe)."""
         from backend.engine_format import rope_tables
 
         self.cfg = cfg
@@ -149,13 +204,13 @@ class TorchModel:
         self.device = device
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         t = {k: v.to(device) for k, v in tensors.items()}
-        hw = hardware_fp8(device) and any(k.endswith(".scale") for k in t)
-        self.hw_fp8 = hw
-        self.layers = [_Layer(t, i, cfg, self.dtype, hw) for i in range(num_layers)]
+        self.fp8_recipe = fp8_recipe or fp8.LEGACY
+        self.hw_fp8 = any(v.dtype == torch.float8_e4m3fn for v in t.values()) and hardware_fp8(device, self.fp8_recipe)
+        self.layers = [_Layer(t, i, cfg, self.dtype, self.fp8_recipe, self.hw_fp8) for i in range(num_layers)]
         self.embed = t["embed"].to(self.dtype)
         self.norm = t["norm"].to(self.dtype) if "norm" in t else None     # absent: an EAGLE-1/2 head
         self.lm_head = t.get("lm_head", t["embed"]).to(self.dtype)
-        self.fc = Linear(t["fc"], t["fc_bias"], self.dtype) if "fc" in t else None
+        self.fc = Linear(t["fc"], None, t["fc_bias"], self.dtype) if "fc" in t else None
         tab = lambda a: torch.from_numpy(a).to(device=device, dtype=torch.float32)
         self.rope = {False: tuple(map(tab, rope_tables(cfg, max_positions)))}        # (cos, sin)
         self.local = [cfg.local_rope(i) for i in range(num_layers)]
@@ -244,6 +299,17 @@ def load_tensors(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def load_recipe(path) -> fp8.Recipe | None:
+    """The FP8 recipe an engine file names in its metadata (build/torch_engine.py), or None."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    return fp8.Recipe.from_json(json.loads(meta["fp8_recipe"])) if "fp8_recipe" in meta else None
 
 
 def numpy_of(x: torch.Tensor) -> np.ndarray:

@@ -27,7 +27,8 @@ from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
-from backend.runtime.torch_model import TorchModel, load_tensors
+from backend.runtime.slot_blocks import SlotBlocks
+from backend.runtime.torch_model import TorchModel, load_recipe, load_tensors
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -42,17 +43,20 @@ class TorchRuntime(SlotSequences):
     def __init__(self, engine_path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,
                  tensors: dict | None = None, dtype: torch.dtype | None = None,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), fp8_recipe=None):
         """engine_path: an engine file of build/torch_engine.py (or `tensors` in its layout,
-        for benchmarks on random weights); dtype: compute dtype (bf16 on a GPU, fp32 on CPU)."""
+        for benchmarks on random weights, with their `fp8_recipe`, runtime/fp8.py); dtype:
+        compute dtype (bf16 on a GPU, fp32 on CPU)."""
         self.config = config
         self.num_layers = num_layers
         self.max_seq_len = max_seq_len
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if options.threads and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
-        self.model = TorchModel(config, tensors if tensors is not None else load_tensors(engine_path),
-                                num_layers, self.device, max_seq_len, dtype, feature_layers)
+        if tensors is None:
+            tensors, fp8_recipe = load_tensors(engine_path), load_recipe(engine_path)
+        self.model = TorchModel(config, tensors, num_layers, self.device, max_seq_len, dtype, feature_layers,
+                                fp8_recipe)
         self.capacity = options.max_sequences or (64 if self.device.type == "cuda" else 16)
         kv_dtype = self.model.dtype
         self.columns = max_seq_len + SCRATCH_COLUMNS
@@ -144,6 +148,9 @@ class TorchRuntime(SlotSequences):
     def truncate(self, seq_id: int, length: int) -> None:
         self.slots.truncate(seq_id, length)
 
+    def block_storage(self) -> SlotBlocks:
+        return SlotBlocks(lambda: [self.cache], 2, self.slots)    # prefix cache blocks, on the device
+
     # --- verify ------------------------------------------------------------------------------
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
         """On a GPU, the verify kernel on the device logits (only accepted paths come back);
@@ -168,6 +175,7 @@ class TorchRuntime(SlotSequences):
         self.slots.clear()
         self._graphs.clear()
         self.cache = None
+        self.prefix_cache = None
 
 
 class _SlotKV:

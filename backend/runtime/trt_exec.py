@@ -87,6 +87,10 @@ class TrtExecutor:
                     c[sl, :, d] = c[sl, :, s]
         self.stream.synchronize()
 
+    def synchronize(self) -> None:
+        """Wait for copies queued outside the executor's stream (the prefix cache's blocks)."""
+        self.torch.cuda.synchronize(self.device)
+
     def close(self) -> None:
         self.cache = []
         self.context = None

@@ -126,6 +126,6 @@ def main(args) -> int:
           f"{int(stats.get('total_draft_tokens', 0))}, accepted "
           f"{int(stats.get('total_accepted_draft_tokens', 0))}, acceptance rate "
           f"{float(stats.get('acceptance_rate', 0)):.2f}, tokens per target forward "
-          f"{float(stats.get('mean_accepted_tokens', 0)):.2f}, finish "
-          f"{finish}]", file=sys.stderr)
+          f"{float(stats.get('mean_accepted_tokens', 0)):.2f}, cached prompt tokens "
+          f"{int(stats.get('cached_prompt_tokens', 0))}, finish {finish}]", file=sys.stderr)
     return 0
