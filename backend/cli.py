@@ -97,7 +97,9 @@ def cmd_bench(args) -> int:
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name,
                       draft_width=args.draft_width, prompt_lookup_width=args.lookup_width,
                       eagle_gate=not args.no_eagle_gate)
-    cfg = ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec)
+    # no prefix cache: the plain run of a prompt would fill it for the speculative run after it,
+    # flattering the ratio (the cache's own bench: specdec bench-prefix)
+    cfg = ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec, prefix_cache_mb=0)
     prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
