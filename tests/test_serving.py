@@ -87,7 +87,10 @@ def test_streams_equal_offline_decoding(server, offline, model):
     h_text, h_chunks, h_stats = collect(spclient.stream_http, server.http_url, model, PROMPT)
     n_text, n_chunks, _ = collect(spclient.stream_grpc, server.grpc_url, model, PROMPT, stream=False)
     assert g_text == expected and h_text == expected and n_text == expected
-    assert len(g_chunks) > 3 and len(h_chunks) > 3 and len(n_chunks) == 1   # streamed vs whole
+    # streamed vs whole: a stream sends one chunk per target forward, so how many depends on how
+    # many tokens each forward settles (the suffix drafter, `auto`, learns this answer from the
+    # earlier requests and settles most of it in two or three forwards)
+    assert len(g_chunks) > 1 and len(h_chunks) > 1 and len(n_chunks) == 1
     assert int(g_stats["output_token_count"]) > 0
     status, body = http_post(server.http_url, f"/v2/models/{model}/generate",
                              {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "apply_chat_template": True})
