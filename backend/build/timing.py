@@ -62,6 +62,13 @@ class TimingSeq:
         return self.output_ids[-1]
 
 
+def step_and_catch_up(rt, context: int, reps: int, seed: int) -> tuple[float, float]:
+    """A draft runtime's cost: (one 1-token step at `context`, seconds per token of catching up
+    over a `context`-token prompt), medians of `reps` round-robin timings."""
+    one, whole = time_round_robin([Shape(rt, 1, 1, context, seed), Shape(rt, 1, context, context, seed + 10)], reps)
+    return one, max(0.0, (whole - one) / (context - 1))
+
+
 def time_round_robin(shapes: list[Shape], reps: int) -> list[float]:
     for _ in range(reps):
         for s in shapes:

@@ -77,7 +77,7 @@ class CrossVocabKind(DraftKind):
     entry_kinds = ("cross-vocab",)
 
     def time(self, manifest, context, reps):
-        from backend.build.timing import Shape, time_round_robin
+        from backend.build.timing import step_and_catch_up
         from backend.config import SpecConfig
         from backend.devices import load_runtime
 
@@ -85,10 +85,10 @@ class CrossVocabKind(DraftKind):
         if name is None:
             return {}
         rt = load_runtime(manifest, engine=name)
-        one, whole = time_round_robin([Shape(rt, 1, 1, context, 21_000), Shape(rt, 1, context, context, 21_010)], reps)
+        one, per_token = step_and_catch_up(rt, context, reps, 21_000)
         retok, encode = retokenize_seconds(cross_drafter(manifest, name, SpecConfig(), runtime=rt))
         rt.close()
-        return {COST_KEY: (one + retok, max(0.0, (whole - one) / (context - 1)) + encode)}
+        return {COST_KEY: (one + retok, per_token + encode)}
 
     def make(self, manifest, spec, options, made, want):
         if DrafterKind.DRAFT_MODEL in made or not want(DrafterKind.DRAFT_MODEL):

@@ -41,16 +41,16 @@ class DraftModelKind(DraftKind):
         return (name, entry) if vmap is None else (name, drafts_mod.cross_vocab_entry(ctx, entry, dck, vmap))
 
     def time(self, manifest, context, reps):
-        from backend.build.timing import Shape, time_round_robin
+        from backend.build.timing import step_and_catch_up
         from backend.devices import load_runtime
 
         name = default_draft_model(manifest)
         if name is None:
             return {}
         rt = load_runtime(manifest, engine=name)
-        one, whole = time_round_robin([Shape(rt, 1, 1, context, 20_000), Shape(rt, 1, context, context, 20_010)], reps)
+        cost = step_and_catch_up(rt, context, reps, 20_000)
         rt.close()
-        return {DrafterKind.DRAFT_MODEL.value: (one, max(0.0, (whole - one) / (context - 1)))}
+        return {DrafterKind.DRAFT_MODEL.value: cost}
 
     def make(self, manifest, spec, options, made, want):
         if DrafterKind.DRAFT_MODEL in made or not want(DrafterKind.DRAFT_MODEL):
