@@ -67,7 +67,21 @@ def serve_config(args: dict) -> ServeConfig:
     return ServeConfig(engine_dir=str(engine_dir), weight_format=p.get("weight_format") or None,
                        spec=spec, max_batch=int(p.get("max_active_batch", 32) or 32),
                        runtime=RuntimeOptions(max_sequences=None if slots in ("", "auto") else int(slots)),
-                       remote_draft=remote, prefix_cache_mb=float(p.get("prefix_cache_mb") or PREFIX_CACHE_MB))
+                       remote_draft=remote, prefix_cache_mb=prefix_cache_mb(p))
+
+
+def prefix_cache_mb(p: dict[str, str]) -> float:
+    """The prefix cache's budget: $SPECDEC_PREFIX_CACHE_MB over the model parameter over the
+    default (the decoding benchmarks set 0, so that a mode run after another on the same prompts
+    does not find them cached)."""
+    raw = os.environ.get("SPECDEC_PREFIX_CACHE_MB") or p.get("prefix_cache_mb") or PREFIX_CACHE_MB
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"prefix_cache_mb: {raw!r} is not a number of MiB >= 0")
+    return mb
 
 
 def draft_node(args: dict):

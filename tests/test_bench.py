@@ -50,3 +50,23 @@ def test_spec_bench_records_outputs_and_seeded_sampling_identity(manifest, tmp_p
         assert len(row["output_ids"]) == row["tokens"] == 16
         assert row["output_text"] == dec.tok.decode(row["output_ids"])
     assert len({tuple(r["output_ids"]) for r in result["prompts"]}) == 3
+
+
+def test_prefix_cache_budget_from_parameter_environment_and_default(monkeypatch):
+    """The decoding benchmarks turn the prefix cache off (every mode sends the same prompts: a mode
+    run after another would skip their prefill): `SPECDEC_PREFIX_CACHE_MB` over the model
+    parameter over the default; a bad value is refused naming the parameter."""
+    import pytest
+
+    from backend.config import PREFIX_CACHE_MB
+    from backend.triton_glue import prefix_cache_mb
+
+    monkeypatch.delenv("SPECDEC_PREFIX_CACHE_MB", raising=False)
+    assert prefix_cache_mb({}) == PREFIX_CACHE_MB and prefix_cache_mb({"prefix_cache_mb": ""}) == PREFIX_CACHE_MB
+    assert prefix_cache_mb({"prefix_cache_mb": "64"}) == 64 and prefix_cache_mb({"prefix_cache_mb": "0"}) == 0
+    monkeypatch.setenv("SPECDEC_PREFIX_CACHE_MB", "0")
+    assert prefix_cache_mb({"prefix_cache_mb": "64"}) == 0
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv("SPECDEC_PREFIX_CACHE_MB", bad)
+        with pytest.raises(ValueError, match="prefix_cache_mb"):
+            prefix_cache_mb({})

@@ -146,7 +146,10 @@ def main(args) -> dict:
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
         raise ManifestMissing(f"no engines in {repo}: run `specdec build` first")
     rows = []
-    with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log")) as srv:
+    # every mode sends the same prompts: with the prefix cache every mode after the first would
+    # skip the prefill, so the server runs without it (bench-prefix measures the cache)
+    with TritonServer(repo, log_file=Path(args.json or "bench").with_suffix(".server.log"),
+                      env={"SPECDEC_PREFIX_CACHE_MB": "0"}) as srv:
         # warm-up, not measured: the first prompt of each kind once per mode, so that ORT's
         # first-call allocations and the adaptive controller's first estimates (cost
         # corrections, pooled acceptance) are settled before n=1 rather than charged to it

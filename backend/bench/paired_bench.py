@@ -21,6 +21,7 @@ lie in memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import re
@@ -166,7 +167,9 @@ def main(args) -> dict:
     repo = Path(args.model_repository)
     if not (repo / ENGINE_SUBDIR / "manifest.json").exists():
         raise ManifestMissing(f"no engines in {repo}: run `specdec build` first")
-    cfg = _serve_config(repo)
+    # the modes decode the same prompts, several on one decoder: with the prefix cache every mode
+    # after the first would skip the prefill, so it is off here (bench-prefix measures it)
+    cfg = dataclasses.replace(_serve_config(repo), prefix_cache_mb=0)
     # a decoder each for plain, the control and auto (so the A/A control also reads any
     # difference between two loaded copies of the same engines, and the adaptive controller
     # learns from auto's steps only); the fixed-K modes share one (fixed K needs no estimates)
