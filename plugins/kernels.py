@@ -20,6 +20,13 @@ from the row's seed), then the child that carries it. The kept set of top-k / to
 bitwise search over the logit values (32 passes each, no sort), min-p by its ratio; scores are
 float64 like the reference.
 
+linear and rmsnorm (the GPU runtime's batch-invariant mode, runtime/torch_model.py): y = x W^T
+(+ b) in tiles of a fixed shape (BLOCK_M x BLOCK_N, the K loop in BLOCK_K steps from 0, float32
+accumulation, no split-K: the tiles depend on the weight's shape only, never on M), and RMSNorm
+by one program per row. A row's result is then the same bits at any number of rows, which
+cuBLAS does not promise (it picks a GEMM by M: measured on an H200, a verify's logits and the
+CUDA graphs' padded buckets differed from single steps by up to 28 in bf16).
+
 Each op has two kernels over one program body: the GPU runtime's (`*_kernel`: strided views,
 float64 sampling parameters, the forward's nodes already in the cache) and the TensorRT
 plugin's (`*_plugin_kernel`, plugins/trt_plugins.py: arguments in TensorRT's order of inputs,
@@ -304,6 +311,85 @@ def verify_plugin_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr
                     pos_ptr, nodes_ptr, out_ptr, num_ptr, T, R, V, R * V, V, BLOCK_T, BLOCK_V)
 
 
+@triton.jit(do_not_specialize=["M"])
+def linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[M, N] = x[M, K] w[N, K]^T (+ b): one program per (BLOCK_M rows, BLOCK_N columns); the
+    same tiles and K order for a row whatever M is (M not specialized on)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:                      # float32 inputs; bf16 ones in the interpreter (its bf16 dot is wrong)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
+    """One row: x / sqrt(mean(x^2) + eps) in float32, rounded to the output dtype, times w
+    (runtime/torch_model.py TorchModel._rmsnorm's numbers)."""
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * sx + c, mask=c < H, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+    w = tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+    out = y.to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(y_ptr + r * sy + c, out.to(y_ptr.dtype.element_ty), mask=c < H)
+
+
+LINEAR_BLOCK_M, LINEAR_BLOCK_K = 16, 64
+
+
+def linear_block_n(n: int, k: int) -> int:
+    """Columns per program, from the weight's shape only (so never from M): 64, or 32 where
+    64 would leave an H200's 132 SMs mostly idle at a decode's one row block."""
+    return 64 if n >= 64 * 256 else 32
+
+
+def linear(x, w, bias=None):
+    """Launch linear_kernel: x [M, K], w [N, K] (row-major K), bias [N] or None -> [M, N] in x's
+    dtype; float32 inputs take IEEE dots, others bf16 tensor-core dots (in the interpreter IEEE
+    float32 dots of the bf16 values: Triton 3.9's interpreted bf16 dot is wrong), float32
+    accumulation."""
+    import torch
+
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and w.stride(1) == 1, (x.shape, w.shape, w.stride())
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bn = linear_block_n(n, k)
+    linear_kernel[(triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn))](
+        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
+        BLOCK_K=LINEAR_BLOCK_K)
+    return y
+
+
+def rmsnorm(x, w, eps: float):
+    """Launch rmsnorm_kernel over the last dimension of x (any leading shape) -> x's shape and dtype."""
+    import torch
+
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        rmsnorm_kernel[(rows.shape[0],)](rows, w, y, h, rows.stride(0), y.stride(0), float(eps),
+                                         BLOCK=_next_pow2(h))
+    return y.view(x.shape)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -400,7 +486,15 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
            "topk_ptr": "*i32", "topp_ptr": "*fp64", "minp_ptr": "*fp64", "seeds_ptr": "*i64",
            "pos_ptr": "*i64", "nodes_ptr": "*i32", "out_ptr": "*i64", "num_ptr": "*i32", "T": "i32",
            "V": "i32", "sl_b": "i64", "sl_t": "i64", "BLOCK_T": "constexpr", "BLOCK_V": "constexpr"}
+    lin = {"x_ptr": f"*{kv_dtype}", "w_ptr": f"*{kv_dtype}", "b_ptr": f"*{kv_dtype}", "y_ptr": f"*{kv_dtype}",
+           "M": "i32", "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "sym": "i32", "HAS_BIAS": "constexpr",
+           "IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    norm = {"x_ptr": f"*{kv_dtype}", "w_ptr": f"*{kv_dtype}", "y_ptr": f"*{kv_dtype}", "H": "i32", "sx": "i32",
+            "sy": "i32", "eps": "fp32", "BLOCK": "constexpr"}
     return {
+        "linear": (linear_kernel, lin, {"HAS_BIAS": True, "IEEE": kv_dtype == "fp32", "BLOCK_M": LINEAR_BLOCK_M,
+                                        "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}),
+        "rmsnorm": (rmsnorm_kernel, norm, {"BLOCK": _next_pow2(head_dim * group * 8)}),
         "tree_attention": (tree_attention_kernel, attn,
                            {"G": group, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_P": 16,
                             "BLOCK_N": BLOCK_N, "D": head_dim}),

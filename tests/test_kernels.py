@@ -145,6 +145,42 @@ def test_verify_compiles_to_ptx_for_sm90():
     assert _compiles("verify")
 
 
+@pytest.mark.parametrize("name,kv_dtype", [("linear", "bf16"), ("linear", "fp32"), ("rmsnorm", "bf16")])
+def test_the_invariant_linear_and_norm_compile_to_ptx_for_sm90(name, kv_dtype):
+    assert _compiles(name, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_and_rmsnorm_match_torch_and_a_rows_bits_do_not_depend_on_m(dtype):
+    """The batch-invariant mode's kernels (runtime/torch_model.py on a GPU): y = x W^T + b and
+    RMSNorm against torch, and each row the same bits at M = 1, 5, 37 (a verify's rows and a
+    CUDA graph's padded bucket against single steps)."""
+    g = torch.Generator().manual_seed(3)
+    k, n = 200, 96                       # K and N not multiples of the tiles
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    x = torch.randn(37, k, generator=g).to(DEV, dtype)
+    got = K.linear(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.dtype == dtype and float((got.float() - ref).abs().max() / ref.abs().max()) < tol
+    for m in (1, 5):
+        assert torch.equal(K.linear(x[:m], w, b), got[:m])
+    assert torch.equal(K.linear(x[3:4], w), K.linear(x, w)[3:4])
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV, dtype)
+    normed = K.rmsnorm(x, nw, 1e-6)
+    xf = x.float()
+    want = (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * nw
+    if dtype == torch.float32:
+        assert float((normed - want).abs().max()) <= 1e-5
+    else:                                                # within 2 bf16 ulps (the rounding of 1/rms)
+        assert torch.allclose(normed.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+    for m in (1, 5):
+        assert torch.equal(K.rmsnorm(x[:m], nw, 1e-6), normed[:m])
+    heads = x.view(37, 8, 25)[:, :4]                     # q/k norms per head: a strided view
+    assert torch.equal(K.rmsnorm(heads, nw[:25], 1e-6), K.rmsnorm(heads.contiguous(), nw[:25], 1e-6))
+
+
 def test_the_plugin_kernels_match_the_references_and_the_runtime_kernels():
     """The TensorRT plugins' kernels (TensorRT's argument order, this forward's nodes read from
     k / v rather than the cache, float32 parameters, logits of R <= T rows): attention equals
@@ -189,3 +225,55 @@ def test_the_plugin_kernels_match_the_references_and_the_runtime_kernels():
 @pytest.mark.parametrize("name", ["tree_attention", "rejection_sample"])
 def test_the_plugin_kernels_compile_to_ptx_for_sm90_under_48k_shared(name):
     assert _compiles(name, plugin=True)
+
+
+def _runtime_on_random_weights(dtype, invariant: bool):
+    """A two-layer Llama-shaped TorchRuntime with attention by the kernel and (invariant) the
+    linears, LM head and norms by the fixed-tile kernels."""
+    from backend.config import RuntimeOptions
+    from backend.manifest import ModelConfig
+    from backend.runtime.torch_rt import TorchRuntime
+
+    cfg = ModelConfig("llama", 128, 64, 96, 2, 4, 2, 16, 1e-5, 10000.0, 256, True)
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *s, std=0.1: (torch.randn(*s, generator=g) * std).to(dtype)
+    t = {"embed": rnd(128, 64, std=1.0), "norm": 1 + rnd(64)}
+    for i in range(2):
+        t.update({f"layers.{i}.attn_norm": 1 + rnd(64), f"layers.{i}.mlp_norm": 1 + rnd(64),
+                  f"layers.{i}.q": rnd(64, 64), f"layers.{i}.k": rnd(32, 64), f"layers.{i}.v": rnd(32, 64),
+                  f"layers.{i}.o": rnd(64, 64), f"layers.{i}.gate": rnd(96, 64), f"layers.{i}.up": rnd(96, 64),
+                  f"layers.{i}.down": rnd(64, 96)})
+    rt = TorchRuntime(None, cfg, 2, 256, RuntimeOptions(max_sequences=4, cuda_graphs=False), DEV,
+                      tensors={k: v.to(DEV) for k, v in t.items()}, dtype=dtype)
+    rt.kernels = True
+    rt.model.invariant = invariant
+    return rt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_invariant_runtime_verifies_with_the_bits_of_single_steps(dtype):
+    """The GPU runtime's batch-invariant mode end to end: a verify of a 6-token chain in a batch
+    of two gives, bit for bit, the logits of six single steps (on an H200 with cuBLAS they
+    differed by 28 in bf16), and the same logits as the torch path within rounding."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, 128, (1, 9))
+    chain_toks = rng.integers(3, 128, 6)
+    chain = lambda n: np.arange(-1, n - 1, dtype=np.int32)[None]
+    rt = _runtime_on_random_weights(dtype, invariant=True)
+    for s in (0, 1, 2):
+        rt.alloc(s)
+        rt.forward([s], prompt, chain(9), np.array([[8]]))
+        rt.commit([s], [np.arange(9)])
+    single = []
+    for tok in chain_toks:
+        single.append(rt.forward([0], np.array([[tok]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0].copy())
+        rt.commit([0], [np.array([0])])
+    both = rt.forward([1, 2], np.stack([chain_toks, chain_toks[::-1]]), np.concatenate([chain(6)] * 2),
+                      np.broadcast_to(np.arange(6), (2, 6)).copy()).logits
+    assert np.array_equal(np.asarray(both[0]), np.stack(single))
+    plain = _runtime_on_random_weights(dtype, invariant=False)
+    plain.alloc(0)
+    ref = plain.forward([0], np.concatenate([prompt, chain_toks[None]], 1), chain(15),
+                        np.arange(9, 15)[None]).logits[0]
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert np.abs(np.asarray(ref) - np.stack(single)).max() < tol * max(1.0, np.abs(np.asarray(ref)).max())

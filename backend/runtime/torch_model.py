@@ -22,8 +22,12 @@ build/checkpoint.py, in one of three formats:
           torch._scaled_mm runs it; elsewhere (CPU, older GPUs, MX scales on Hopper, the
           weight-only linears) the same numbers are emulated in the compute dtype. The
           embedding, norms and LM head stay bf16/fp32.
-On a CPU every linear pads its rows to a multiple of 8: this CPU's GEMM gives a row the same
-bits at any M that is (measured), so a verify of T tokens matches T single steps.
+Batch invariance (a verify of T tokens gives the bits of T single steps; a CUDA graph's padded
+bucket the bits of the eager step): on a GPU (`invariant`, the default there) every linear, the
+LM head and every RMSNorm run the fixed-tile kernels of plugins/kernels.py (linear, rmsnorm),
+since cuBLAS picks its GEMM by M; the FP8 hardware GEMM (torch._scaled_mm) is the exception the
+build's check reports. On a CPU every linear pads its rows to a multiple of 8: this CPU's GEMM
+gives a row the same bits at any M that is (measured).
 Knows: tensors, layer math. Does not know: slots, trees, requests.
 """
 from __future__ import annotations
@@ -123,6 +127,7 @@ class Linear:
         else:
             self.w = w.to(dtype)
         self.pad = w.device.type == "cpu"
+        self.kernel = False                  # plugins/kernels.linear (TorchModel.invariant sets it)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observe is not None:
@@ -132,6 +137,10 @@ class Linear:
             return y if self.bias is None else y + self.bias
         if self.qin:
             x = fp8.fake_quant_input(x, self.recipe, self.act_scale).to(self.w.dtype)
+        if self.kernel:
+            from plugins import kernels
+
+            return kernels.linear(x.to(self.w.dtype), self.w, self.bias)
         return linear_rows(x, self.w, self.bias, self.pad)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,10 +232,26 @@ class TorchModel:
         self.scale = cfg.scale                   # q's multiplier, applied by the attention
         self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
         self.softcap = cfg.attn_logit_softcap    # the attention scores' soft-cap (Gemma-2), 0: none
+        self.invariant = device.type == "cuda"
+
+    @property
+    def invariant(self) -> bool:
+        """Linears, LM head and norms by the fixed-tile kernels (a row's bits independent of M)."""
+        return self._invariant
+
+    @invariant.setter
+    def invariant(self, on: bool) -> None:
+        self._invariant = bool(on)
+        for lin in [*self.linears().values(), *([self.fc] if self.fc is not None else [])]:
+            lin.kernel = self._invariant and not lin.hw
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if w is None:
             return x
+        if self._invariant:
+            from plugins import kernels
+
+            return kernels.rmsnorm(x.to(self.dtype), w, self.cfg.rms_norm_eps)
         xf = x.float()
         xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return xf.to(self.dtype) * w
@@ -287,7 +312,12 @@ class TorchModel:
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, H] final-norm rows -> [R, V] float32 logits (soft-capped where the model is)."""
-        logits = linear_rows(rows, self.lm_head, None, self.device.type == "cpu").float()
+        if self._invariant:
+            from plugins import kernels
+
+            logits = kernels.linear(rows.to(self.dtype), self.lm_head).float()
+        else:
+            logits = linear_rows(rows, self.lm_head, None, self.device.type == "cpu").float()
         cap = self.cfg.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
