@@ -11,7 +11,7 @@ def test_paired_bench_runs_every_mode_on_the_same_requests(built_repo, tmp_path)
     cfg = paired_bench._serve_config(built_repo)           # as the Triton model reads config.pbtxt
     assert cfg.max_batch == 32 and (cfg.engine_dir.endswith("engine"))
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in load_prompts(PROMPTS)[:3]) + "\n")
+    prompts.write_text("\n".join(json.dumps(p) for p in load_prompts(PROMPTS)[:2]) + "\n")
     args = Namespace(concurrency="1,2", rounds=1, prompts=str(prompts), drafter="prompt-lookup",
                      model_repository=str(built_repo), temperature=0.0, max_new_tokens=12,
                      sweep_k="2", json=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
