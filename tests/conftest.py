@@ -323,6 +323,17 @@ def http_post(url: str, path: str, body: dict, timeout: float = 300) -> tuple[in
 
 # ---- a model against transformers, position by position (Gemma-3's windows: test_gemma3*.py) ----
 
+def assert_compiles(code: str) -> None:
+    """Run `code` in a process of its own without TRITON_INTERPRET (the test process may run the
+    kernels in the interpreter, where they cannot be compiled); it must exit 0."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 

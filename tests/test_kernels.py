@@ -5,9 +5,6 @@ sit; and every kernel compiled to PTX for sm_90 (an explicit target needs no GPU
 on the real compiler path fails CI."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from conftest import assert_compiles  # noqa: E402
 from plugins import kernels as K  # noqa: E402
 from plugins.reference import paths_of, tree_attention_ref, verify_ref  # noqa: E402
 
@@ -129,9 +127,7 @@ def _compiles(name, plugin=False, **variant):
             + "nparams = entry[:entry.index(')')].count('.param')\n"
             + f"want = {dict(tree_attention=13, rejection_sample=15).get(name, 0) if plugin else 0}\n"
             + "sys.exit(0 if '.target sm_90' in ptx and shared <= 48 * 1024 and (not want or nparams == want) else 3)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_compiles(code)
     return True
 
 
