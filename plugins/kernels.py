@@ -350,7 +350,7 @@ def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
 LINEAR_BLOCK_M, LINEAR_BLOCK_K = 16, 64
 
 
-def linear_block_n(n: int, k: int) -> int:
+def linear_block_n(n: int) -> int:
     """Columns per program, from the weight's shape only (so never from M): 64, or 32 where
     64 would leave an H200's 132 SMs mostly idle at a decode's one row block."""
     return 64 if n >= 64 * 256 else 32
@@ -368,7 +368,7 @@ def linear(x, w, bias=None):
     assert w.shape[1] == k and w.stride(1) == 1, (x.shape, w.shape, w.stride())
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bn = linear_block_n(n, k)
+    bn = linear_block_n(n)
     linear_kernel[(triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn))](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
@@ -494,7 +494,7 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
     return {
         "linear": (linear_kernel, lin, {"HAS_BIAS": True, "IEEE": kv_dtype == "fp32", "BLOCK_M": LINEAR_BLOCK_M,
                                         "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}),
-        "rmsnorm": (rmsnorm_kernel, norm, {"BLOCK": _next_pow2(head_dim * group * 8)}),
+        "rmsnorm": (rmsnorm_kernel, norm, {"BLOCK": 4096}),      # a Llama-3-8B row
         "tree_attention": (tree_attention_kernel, attn,
                            {"G": group, "BLOCK_G": max(16, _next_pow2(group)), "BLOCK_P": 16,
                             "BLOCK_N": BLOCK_N, "D": head_dim}),
