@@ -396,3 +396,94 @@ def tree_branch_error(rt, hf, prefix, tree, tokens, sid: int = 20) -> float:
         err = max(err, rel_err(alone, hf_logits(hf, branch)[len(prefix):]))
     return err
 
+
+
+def eagle_head_reference(m, head_dir, t: int, rope_layer=None) -> tuple:
+    """The torch EAGLE head model of `head_dir` on target `m`, run on t random features and tokens
+    -> (head checkpoint, features [1, t, hidden], tokens [1, t], features out, logits out): what a
+    head engine must reproduce. rope_layer: the model description the head's rope is made from
+    (default the target's)."""
+    import torch
+
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.graph import rope_tables
+    from backend.build.heads.eagle import head_checkpoint
+    from backend.train.eagle_model import EagleHead, causal_mask
+    from backend.train.eagle_train import load_head
+
+    cfg, w = load_head(head_dir)
+    ck = load_checkpoint(m.source)
+    hck, _ = head_checkpoint(head_dir, ck)
+    cos, sin = rope_tables(rope_layer(cfg) if rope_layer else m.model, m.max_seq_len)
+    model = EagleHead(cfg, ck.tensor("embed").float32(), hck.tensor("lm_head").float32(), cos, sin)
+    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
+    toks = rng.integers(0, m.model.vocab_size, (1, t))
+    with torch.no_grad():
+        f_ref, l_ref = model(torch.from_numpy(feats), torch.from_numpy(toks), torch.arange(t)[None], causal_mask(t))
+    return hck, feats, toks, f_ref[0].numpy(), l_ref[0].numpy()
+
+
+def assert_verify_equals_steps_along_paths(attend, rng, hq: int, hkv: int, d: int, ctx: int) -> None:
+    """One verify over an 8-node tree after ctx positions equals, bit for bit, single steps along
+    each node's path with the path committed in order after the context (slot 1 of the cache).
+    attend(q [b, n, hq, d], k, v [slots, hkv, S, d], slots [b], ctx [b], paths [b, n, depth]) ->
+    [b, n, hq, d] array."""
+    from plugins.reference import paths_of
+
+    parents = np.array([[-1, 0, 0, 1, 2, 3, 3, 5]], np.int32)
+    n = parents.shape[1]
+    kc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
+    vc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
+    q = rng.standard_normal((1, n, hq, d)).astype(np.float32)
+    paths = paths_of(parents)
+    one = lambda a: np.array([a], np.int32)  # noqa: E731
+    verify = attend(q, kc, vc, one(0), one(ctx), paths)
+    for j in range(n):
+        path = paths[0, j][paths[0, j] >= 0]
+        k1, v1 = kc.copy(), vc.copy()
+        k1[1, :, :ctx], v1[1, :, :ctx] = kc[0, :, :ctx], vc[0, :, :ctx]
+        k1[1, :, ctx:ctx + path.size] = kc[0][:, ctx + path]
+        v1[1, :, ctx:ctx + path.size] = vc[0][:, ctx + path]
+        single = attend(q[:, j:j + 1], k1, v1, one(1), one(ctx + path.size - 1), np.array([[[0]]], np.int32))
+        assert np.array_equal(single[0, 0], verify[0, j]), j
+
+
+def stream_and_ensemble(srv, prompt: str, max_tokens: int, **fields) -> tuple[str, str]:
+    """One raw greedy request on a running server, streamed through `specdec` (gRPC) and sent to
+    the ensemble (HTTP generate) -> (streamed text, ensemble text). fields: drafter,
+    num_draft_tokens."""
+    from backend.serve import client as spclient
+
+    class Args:
+        temperature, stream, raw, stop = 0.0, True, True, []
+        top_k = top_p = min_p = seed = None
+        drafter = fields.get("drafter")
+        num_draft_tokens = fields.get("num_draft_tokens")
+
+    Args.max_tokens = max_tokens
+    chunks = []
+    spclient.stream_grpc(srv.grpc_url, "specdec", spclient.request_fields(prompt, Args()), chunks.append)
+    status, text = http_post(srv.http_url, "/v2/models/ensemble/generate",
+                             {"text_input": prompt, "max_tokens": max_tokens, **fields})
+    assert status == 200, text
+    return "".join(chunks), json.loads(text)["text_output"]
+
+
+def plugin_attention_case(rng) -> tuple:
+    """Inputs of the TensorRT plugin's tree attention (3 rows, 5 nodes this forward, 4 cache slots
+    of 80 columns): q [3, 5, 4, 16]; this forward's k, v [3, 5, 2, 16]; the caches kc, vc
+    [4, 2, 80, 16]; slots, ctx, nprior (earlier scratch nodes) [3]; paths [3, 5, 9], a chain
+    over the earlier scratch nodes, then this forward's -> that tuple in this order."""
+    b, n, hq, hkv, d, s, cols = 3, 5, 4, 2, 16, 4, 80
+    q = rng.standard_normal((b, n, hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, n, hkv, d)).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((s, hkv, cols, d)).astype(np.float32) for _ in range(2))
+    slots, ctx, nprior = np.array([2, 0, 1], np.int32), np.array([10, 0, 37], np.int32), np.array([0, 3, 2], np.int32)
+    paths = np.full((b, n, 9), -1, np.int32)
+    for r in range(b):
+        prior = list(range(nprior[r]))
+        for j in range(n):
+            paths[r, j, : len(prior) + j + 1] = prior + [nprior[r] + x for x in range(j + 1)]
+    return q, k, v, kc, vc, slots, ctx, nprior, paths

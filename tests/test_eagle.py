@@ -6,7 +6,7 @@ import pytest
 
 from backend.build.pipeline import BuildConfig, build
 from backend.manifest import WeightFormat
-from conftest import chain, make_tiny_checkpoint, random_head
+from conftest import chain, eagle_head_reference, make_tiny_checkpoint, random_head
 
 torch = pytest.importorskip("torch")
 
@@ -24,33 +24,17 @@ def tiny(tmp_path_factory):
 
 
 def test_head_onnx_equals_torch(tiny):
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
-    from backend.build.heads.eagle import head_checkpoint
     from backend.runtime.ort import OrtRuntime
-    from backend.train.eagle_model import EagleHead, causal_mask
-    from backend.train.eagle_train import load_head
 
     m, head_dir = tiny
-    cfg, w = load_head(head_dir)
-    ck = load_checkpoint(m.source)
-    hck, vocab = head_checkpoint(head_dir, ck)
-    cos, sin = rope_tables(m.model, m.max_seq_len)
-    model = EagleHead(cfg, ck.tensor("embed").float32(), hck.tensor("lm_head").float32(), cos, sin)
-    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
-    rng = np.random.default_rng(0)
     t = 13
-    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
-    toks = rng.integers(0, m.model.vocab_size, (1, t))
-    with torch.no_grad():
-        f_ref, l_ref = model(torch.from_numpy(feats), torch.from_numpy(toks),
-                             torch.arange(t)[None], causal_mask(t))
+    hck, feats, toks, f_ref, l_ref = eagle_head_reference(m, head_dir, t)
     d = m.drafts["eagle"]
     rt = OrtRuntime(m.resolve(d.path), hck.config, 1, m.max_seq_len)
     rt.alloc(0)
     out = rt.forward([0], toks, chain(t), np.arange(t)[None], {"features": feats})
-    np.testing.assert_allclose(out.hidden[0], f_ref[0].numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(out.logits[0], l_ref[0].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.hidden[0], f_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.logits[0], l_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_dynamic_trees_are_valid_and_greedy_is_identical(tiny):

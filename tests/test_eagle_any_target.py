@@ -8,7 +8,7 @@ import pytest
 
 from backend.build.pipeline import BuildConfig, build
 from backend.manifest import WeightFormat
-from conftest import assert_greedy_identity, chain, make_tiny_checkpoint, random_head, spec_decoder
+from conftest import assert_greedy_identity, chain, eagle_head_reference, make_tiny_checkpoint, random_head, spec_decoder
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -32,36 +32,22 @@ def with_head(request, tmp_path_factory):
 
 
 def test_the_head_engine_equals_the_torch_head(with_head, tmp_path):
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
-    from backend.build.heads.eagle import head_checkpoint
     from backend.devices import load_runtime
-    from backend.train.eagle_model import EagleHead, causal_mask
-    from backend.train.eagle_train import load_head
 
     repos, head_dir, shape = with_head
     m = repos["fp32"]
-    cfg, w = load_head(head_dir)
-    ck = load_checkpoint(m.source)
-    hck, _ = head_checkpoint(head_dir, ck)
+    t = 11
+    hck, feats, toks, f_ref, l_ref = eagle_head_reference(
+        m, head_dir, t, rope_layer=lambda cfg: m.model.llama_layer(head_dim=cfg["head_dim"]))
     assert hck.config.features() == [] and hck.config.hidden_size == m.model.hidden_size
     assert all(getattr(hck.config, k) == v for k, v in shape.items())
-    cos, sin = rope_tables(m.model.llama_layer(head_dim=cfg["head_dim"]), m.max_seq_len)
-    model = EagleHead(cfg, ck.tensor("embed").float32(), hck.tensor("lm_head").float32(), cos, sin)
-    model.load_weights({k: v.astype(np.float32) for k, v in w.items()})
-    rng = np.random.default_rng(0)
-    t = 11
-    feats = rng.standard_normal((1, t, m.model.hidden_size)).astype(np.float32)
-    toks = rng.integers(0, m.model.vocab_size, (1, t))
-    with torch.no_grad():
-        f_ref, l_ref = model(torch.from_numpy(feats), torch.from_numpy(toks), torch.arange(t)[None], causal_mask(t))
     for fmt, m in repos.items():
         rt = load_runtime(m, engine="eagle")
         rt.alloc(0)
         out = rt.forward([0], toks, chain(t), np.arange(t)[None], {"features": feats})
         tol = 1e-4 if fmt == "fp32" else 0.05    # the native head in Q8_0 blocks
-        np.testing.assert_allclose(out.hidden[0], f_ref[0].numpy(), rtol=tol, atol=tol)
-        np.testing.assert_allclose(out.logits[0], l_ref[0].numpy(), rtol=tol, atol=tol)
+        np.testing.assert_allclose(out.hidden[0], f_ref, rtol=tol, atol=tol)
+        np.testing.assert_allclose(out.logits[0], l_ref, rtol=tol, atol=tol)
         rt.close()
 
 

@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (assert_compiles, assert_greedy_identity, decode_and_branch_errors, device_env,
-                      hf_logits, make_tiny_checkpoint, prefill_logits, rel_err, spec_decoder,
-                      tree_branch_error)
+from conftest import (assert_compiles, assert_greedy_identity, assert_verify_equals_steps_along_paths,
+                      decode_and_branch_errors, device_env, hf_logits, make_tiny_checkpoint, plugin_attention_case,
+                      prefill_logits, rel_err, spec_decoder, tree_branch_error)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -119,25 +119,10 @@ def test_kernel_window_matches_the_reference_and_is_batch_independent(window):
 def test_kernel_window_bits_equal_single_steps_along_each_path(window, ctx):
     """One verify over a tree equals, bit for bit, single steps along each node's path with the
     path committed in order: the window counts along the node's own path, wherever it sits."""
-    rng = np.random.default_rng(window)
-    hq, hkv, d = 4, 2, 16
-    parents = np.array([[-1, 0, 0, 1, 2, 3, 3, 5]], np.int32)
-    n = parents.shape[1]
-    kc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
-    vc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
-    q = rng.standard_normal((1, n, hq, d)).astype(np.float32)
-    paths = paths_of(parents)
-    one = lambda a: np.array([a], np.int32)
-    verify = K.tree_attention(tt(q), tt(kc), tt(vc), tt(one(0)), tt(one(ctx)), tt(paths), 0.2, window).numpy()
-    for j in range(n):
-        path = paths[0, j][paths[0, j] >= 0]
-        k1, v1 = kc.copy(), vc.copy()
-        k1[1, :, :ctx], v1[1, :, :ctx] = kc[0, :, :ctx], vc[0, :, :ctx]
-        k1[1, :, ctx:ctx + path.size] = kc[0][:, ctx + path]
-        v1[1, :, ctx:ctx + path.size] = vc[0][:, ctx + path]
-        single = K.tree_attention(tt(q[:, j:j + 1]), tt(k1), tt(v1), tt(one(1)), tt(one(ctx + path.size - 1)),
-                                  tt(np.array([[[0]]], np.int32)), 0.2, window).numpy()
-        assert np.array_equal(single[0, 0], verify[0, j]), j
+    def attend(q, k, v, slots, ctx, paths):
+        return K.tree_attention(tt(q), tt(k), tt(v), tt(slots), tt(ctx), tt(paths), 0.2, window).numpy()
+
+    assert_verify_equals_steps_along_paths(attend, np.random.default_rng(window), 4, 2, 16, ctx)
 
 
 @pytest.mark.parametrize("window", [4, 12])
@@ -145,17 +130,7 @@ def test_plugin_kernel_window_matches_the_reference_and_the_runtime_kernel(windo
     """The TensorRT plugin's kernel (this forward's nodes read from k / v, window compiled in)
     equals the reference op of ONNX Runtime (plugins/ort_ops.py: write the nodes, then the
     reference), and bitwise the runtime's kernel on the written cache."""
-    rng = np.random.default_rng(window)
-    b, n, hq, hkv, d, s, cols = 3, 5, 4, 2, 16, 4, 80
-    q = rng.standard_normal((b, n, hq, d)).astype(np.float32)
-    k, v = (rng.standard_normal((b, n, hkv, d)).astype(np.float32) for _ in range(2))
-    kc, vc = (rng.standard_normal((s, hkv, cols, d)).astype(np.float32) for _ in range(2))
-    slots, ctx, nprior = np.array([2, 0, 1], np.int32), np.array([10, 0, 37], np.int32), np.array([0, 3, 2], np.int32)
-    paths = np.full((b, n, 9), -1, np.int32)
-    for r in range(b):
-        prior = list(range(nprior[r]))
-        for j in range(n):
-            paths[r, j, : len(prior) + j + 1] = prior + [nprior[r] + x for x in range(j + 1)]
+    q, k, v, kc, vc, slots, ctx, nprior, paths = plugin_attention_case(np.random.default_rng(window))
     kw, vw = write_nodes(kc, vc, k, v, slots, ctx, nprior)
     ref = tree_attention_ref(q, kw, vw, slots, ctx, paths, 0.25, window)
     o = K.tree_attention_plugin(tt(q), tt(k), tt(v), tt(kc), tt(vc), tt(slots), tt(ctx), tt(nprior), tt(paths),

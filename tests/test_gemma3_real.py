@@ -10,7 +10,6 @@ the registry fails here loudly rather than passing without the model (SPECDEC_SK
 skips these tests, and says so)."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 
 from backend.config import DrafterKind, SamplingParams
 from backend.devices import load_runtime
-from conftest import chain, http_post, load_prompts, spec_decoder
+from conftest import chain, http_post, load_prompts, spec_decoder, stream_and_ensemble
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,7 +140,6 @@ def test_served_end_to_end(repo, tmp_path):
     from backend.config import ServeConfig
     from backend.engine import make_decoder
     from backend.sequence import Request
-    from backend.serve import client as spclient
     from backend.serve.launcher import TritonServer
 
     m, out = repo
@@ -149,18 +147,10 @@ def test_served_end_to_end(repo, tmp_path):
     dec = make_decoder(ServeConfig(engine_dir=str(m.root)))
     expected = "".join(o.text for o in dec.generate(Request(tuple(dec.tok.encode(prompt)), SamplingParams(max_tokens=24))))
 
-    class Args:
-        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, True, []
-        top_k = top_p = min_p = num_draft_tokens = drafter = seed = None
-
     srv = TritonServer(out, log_file=tmp_path / "server.log", log_verbose=0)
     srv.start()
     try:
-        chunks = []
-        spclient.stream_grpc(srv.grpc_url, "specdec", spclient.request_fields(prompt, Args()), chunks.append)
-        assert "".join(chunks) == expected
-        status, text = http_post(srv.http_url, "/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 24})
-        assert status == 200 and json.loads(text)["text_output"] == expected
+        assert stream_and_ensemble(srv, prompt, 24) == (expected, expected)
         for model in ("specdec", "ensemble"):
             status, text = http_post(srv.http_url, f"/v2/models/{model}/generate", {"text_input": prompt, "max_tokens": 4,
                                                        "apply_chat_template": True})

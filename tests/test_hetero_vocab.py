@@ -627,9 +627,8 @@ def test_real_pair_served_end_to_end(tmp_path_factory):
     from backend.config import ServeConfig
     from backend.engine import make_decoder
     from backend.manifest import WeightFormat
-    from backend.serve import client as spclient
     from backend.serve.launcher import TritonServer
-    from conftest import http_post
+    from conftest import stream_and_ensemble
 
     out = tmp_path_factory.mktemp("real_pair")
     m = build(BuildConfig(target=str(gemma_path()), output=out, weights=(WeightFormat.GGUF,),
@@ -642,20 +641,10 @@ def test_real_pair_served_end_to_end(tmp_path_factory):
     spec = "".join(o.text for o in dec.generate(Request(ids, SamplingParams(max_tokens=24), DrafterKind.DRAFT_MODEL)))
     assert spec == plain and dec.stats.num_accepted_tokens > 0
 
-    class Args:
-        max_tokens, temperature, stream, raw, stop = 24, 0.0, True, True, []
-        top_k = top_p = min_p = seed = None
-        drafter, num_draft_tokens = "draft-model", 4
-
     srv = TritonServer(out, log_file=out / "server.log", log_verbose=0)
     srv.start()
     try:
-        chunks = []
-        spclient.stream_grpc(srv.grpc_url, "specdec", spclient.request_fields(prompt, Args()), chunks.append)
-        assert "".join(chunks) == plain
-        status, text = http_post(srv.http_url, "/v2/models/ensemble/generate",
-                                 {"text_input": prompt, "max_tokens": 24, "drafter": "draft-model", "num_draft_tokens": 4})
-        assert status == 200 and json.loads(text)["text_output"] == plain
+        assert stream_and_ensemble(srv, prompt, 24, drafter="draft-model", num_draft_tokens=4) == (plain, plain)
         metrics = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
         drawn = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_tokens_total\{[^}]*\} (\S+)', metrics, re.M))
         assert drawn > 0 and "specdec_draft_outside_vocab_share" in metrics

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from conftest import assert_compiles  # noqa: E402
+from conftest import assert_compiles, assert_verify_equals_steps_along_paths, plugin_attention_case  # noqa: E402
 from plugins import kernels as K  # noqa: E402
 from plugins.reference import paths_of, tree_attention_ref, verify_ref  # noqa: E402
 
@@ -60,24 +60,8 @@ def test_tree_attention_matches_the_reference(tree, hq, hkv, d, ctxs):
 def test_tree_attention_bits_do_not_depend_on_t_or_where_the_path_sits():
     """One verify over a tree equals, bit for bit, single steps along each node's path with the
     path committed in order (the columns the path occupies and the other nodes do not matter)."""
-    rng = np.random.default_rng(7)
-    hq, hkv, d, ctx = 6, 2, 32, 45
-    parents = np.array([[-1, 0, 0, 1, 2, 3, 3, 5]], np.int32)
-    tt = parents.shape[1]
-    kc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
-    vc = rng.standard_normal((2, hkv, 96, d)).astype(np.float32)
-    q = rng.standard_normal((1, tt, hq, d)).astype(np.float32)
-    paths = paths_of(parents)
-    verify = attention(q, kc, vc, np.array([0], np.int32), np.array([ctx], np.int32), paths, 0.2)
-    for j in range(tt):
-        path = paths[0, j][paths[0, j] >= 0]
-        k1, v1 = kc.copy(), vc.copy()            # slot 1: the path committed after the context
-        k1[1, :, :ctx], v1[1, :, :ctx] = kc[0, :, :ctx], vc[0, :, :ctx]
-        k1[1, :, ctx:ctx + path.size] = kc[0][:, ctx + path]
-        v1[1, :, ctx:ctx + path.size] = vc[0][:, ctx + path]
-        single = attention(q[:, j:j + 1], k1, v1, np.array([1], np.int32),
-                           np.array([ctx + path.size - 1], np.int32), np.array([[[0]]], np.int32), 0.2)
-        assert np.array_equal(single[0, 0], verify[0, j]), j
+    assert_verify_equals_steps_along_paths(lambda q, k, v, slots, ctx, paths: attention(q, k, v, slots, ctx, paths, 0.2),
+                                           np.random.default_rng(7), 6, 2, 32, 45)
 
 
 def _verify_case(rng, v, parents, params, tie=False):
@@ -185,16 +169,8 @@ def test_the_plugin_kernels_match_the_references_and_the_runtime_kernels():
     from plugins.reference import write_nodes
 
     rng = np.random.default_rng(4)
-    b, n, hq, hkv, d, s, cols = 3, 5, 4, 2, 16, 4, 80
-    q = rng.standard_normal((b, n, hq, d)).astype(np.float32)
-    k, v = (rng.standard_normal((b, n, hkv, d)).astype(np.float32) for _ in range(2))
-    kc, vc = (rng.standard_normal((s, hkv, cols, d)).astype(np.float32) for _ in range(2))
-    slots, ctx, nprior = np.array([2, 0, 1], np.int32), np.array([10, 0, 37], np.int32), np.array([0, 3, 2], np.int32)
-    paths = np.full((b, n, 9), -1, np.int32)
-    for r in range(b):                       # a chain over the earlier scratch nodes, then this forward's
-        prior = list(range(nprior[r]))
-        for j in range(n):
-            paths[r, j, : len(prior) + j + 1] = prior + [nprior[r] + x for x in range(j + 1)]
+    q, k, v, kc, vc, slots, ctx, nprior, paths = plugin_attention_case(rng)
+    b, n = paths.shape[:2]
     paths[2, 4] = -1                         # a padding node
     kw, vw = write_nodes(kc, vc, k, v, slots, ctx, nprior)
     ref = tree_attention_ref(q, kw, vw, slots, ctx, paths, 0.25)

@@ -7,7 +7,6 @@
 #include "kernels.h"
 #include "simd.h"
 
-#define HALF 8                  /* lanes per AVX2 half of a group */
 #define ROW_TILE 4              /* activation rows per pass over a weight group */
 /* software prefetch distance in the weight stream: the hardware prefetcher alone left T = 1 ~20%
    slower (perf-notes §12); a prefetch never faults, so reading past a matrix's end is harmless */
@@ -95,8 +94,40 @@ static inline void prefetch_ahead(const uint8_t *p, size_t len) {
     for (size_t line = 0; line < len; line += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + line, _MM_HINT_T0);
 }
 
+/* The block loops below are written once over a vector of W int32/float lanes: AVX-512 covers a
+ * group's 16 lanes in one pass (W = 16), AVX2 in two passes of 8 (W = 8, `pass` picks the half).
+ * Each ISA maps the operations to its own intrinsics (as ggml's simd mappings do) and supplies the
+ * three helpers that differ in kind, not width: the integer block dot (VNNI dpbusd on 512-bit
+ * lanes; dot4 on 256), its two halves, and the fifth-bit planes (a mask add; a byte shuffle).
+ * The mapping is one to one, so every output has the bits it had when each ISA had its own copy. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static inline __m512i block_dot16(const __m512i *wv, const int8_t *q) {
+#define W 16
+typedef __m512i vi;
+typedef __m512 vf;
+#define vf_zero() _mm512_setzero_ps()
+#define vf_set1(x) _mm512_set1_ps(x)
+#define vf_add(a, b) _mm512_add_ps(a, b)
+#define vf_sub(a, b) _mm512_sub_ps(a, b)
+#define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_of_i32(v) _mm512_cvtepi32_ps(v)
+#define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define vi_zero() _mm512_setzero_si512()
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_load_i8_as_i32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vi_set1_8(x) _mm512_set1_epi8(x)
+#define vi_set1_32(x) _mm512_set1_epi32(x)
+#define vi_and(a, b) _mm512_and_si512(a, b)
+#define vi_or(a, b) _mm512_or_si512(a, b)
+#define vi_add32(a, b) _mm512_add_epi32(a, b)
+#define vi_sub32(a, b) _mm512_sub_epi32(a, b)
+#define vi_mul32(a, b) _mm512_mullo_epi32(a, b)
+#define vi_srli16(v, n) _mm512_srli_epi16(v, n)
+#define vi_slli16(v, n) _mm512_slli_epi16(v, n)
+#define vi_srli32(v, n) _mm512_srli_epi32(v, n)
+
+static inline __m512i block_dot(const __m512i *wv, const int8_t *q) {
     __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int c = 0; c < 8; c++) {
         int32_t f;
@@ -107,7 +138,7 @@ static inline __m512i block_dot16(const __m512i *wv, const int8_t *q) {
 }
 
 /* the dots of elements 0..15 (chunks 0..3) and 16..31 (chunks 4..7) apart */
-static inline void block_dot16_halves(const __m512i *wv, const int8_t *q, __m512i *s0, __m512i *s1) {
+static inline void block_dot_halves(const __m512i *wv, const int8_t *q, __m512i *s0, __m512i *s1) {
     __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int c = 0; c < 8; c++) {
         int32_t f;
@@ -118,11 +149,9 @@ static inline void block_dot16_halves(const __m512i *wv, const int8_t *q, __m512
     *s1 = _mm512_add_epi32(s[2], s[3]);
 }
 
-static inline __m512i nib_lo(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
-static inline __m512i nib_hi(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
-
-/* u += 16 where the bit plane says (the fifth bits of Q5_0, Q5_1, Q5_K) */
-static inline void add_planes(__m512i *wv, const uint8_t (*qh)[8]) {
+/* u += 16 where the bit plane says (the fifth bits of Q5_0, Q5_1, Q5_K); one pass has all lanes */
+static inline void add_planes(__m512i *wv, const uint8_t (*qh)[8], int pass) {
+    (void)pass;
     const __m512i c16 = _mm512_set1_epi8(16);
     for (int c = 0; c < 8; c++) {
         __mmask64 k;
@@ -130,180 +159,33 @@ static inline void add_planes(__m512i *wv, const uint8_t (*qh)[8]) {
         wv[c] = _mm512_mask_add_epi8(wv[c], k, wv[c], c16);
     }
 }
-
-/* the offset kinds' rows: w = dw u + mw over block b */
-static inline void rows_dm(const __m512i *wv, __m512 dw, __m512 mw, const act_q *a, int r0, int nr, int b,
-                           __m512 *accd, __m512 *accm) {
-    for (int r = 0; r < nr; r++) {
-        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        __m512i s = block_dot16(wv, a->q + row * a->k + (size_t)b * QBLOCK);
-        float dx = a->d[at];
-        accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)a->sum[at]), accm[r]);
-        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accd[r]);
-    }
-}
-
-/* the zero-point kinds' rows: w = dw (u - zero) over block b */
-static inline void rows_dz(const __m512i *wv, __m512 dw, int zero, const act_q *a, int r0, int nr, int b,
-                           __m512 *accd) {
-    for (int r = 0; r < nr; r++) {
-        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        __m512i s = block_dot16(wv, a->q + row * a->k + (size_t)b * QBLOCK);
-        float dx = a->d[at];
-        s = _mm512_sub_epi32(s, _mm512_set1_epi32(zero * a->sum[at]));
-        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accd[r]);
-    }
-}
-
-/* Q6_K's rows: w = dw sc0 (u - 32) over the first 16 elements of block b, dw sc1 (u - 32) over
- * the last 16 */
-static inline void rows_q6(const __m512i *wv, __m512i sc0, __m512i sc1, __m512 dw, const act_q *a, int r0,
-                           int nr, int b, __m512 *accd) {
-    for (int r = 0; r < nr; r++) {
-        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        const int8_t *q = a->q + row * a->k + (size_t)b * QBLOCK;
-        __m512i s0, s1;
-        block_dot16_halves(wv, q, &s0, &s1);
-        int32_t lo = sum16(q), hi = a->sum[at] - lo;
-        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * lo));
-        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * hi));
-        __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1));
-        accd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[at])), accd[r]);
-    }
-}
-
-/* Q4_K / Q5_K's 8 sub-block scales and mins of 16 lanes: byte j of sc[j / 4] (min: mn[j / 4]) */
-static inline void unpack_k_scales(const uint32_t (*scales)[LANES], __m512i sc[2], __m512i mn[2]) {
-    __m512i w0 = _mm512_loadu_si512((const void *)scales[0]), w1 = _mm512_loadu_si512((const void *)scales[1]);
-    __m512i w2 = _mm512_loadu_si512((const void *)scales[2]);
-    const __m512i m6 = _mm512_set1_epi8(0x3f), m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
-    sc[0] = _mm512_and_si512(w0, m6);
-    mn[0] = _mm512_and_si512(w1, m6);
-    sc[1] = _mm512_or_si512(_mm512_and_si512(w2, m4), _mm512_and_si512(_mm512_srli_epi32(w0, 2), top));
-    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), m4), _mm512_and_si512(_mm512_srli_epi32(w1, 2), top));
-}
-
-static inline __m512 byte_as_float(__m512i v, int j) {
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * (j & 3)), _mm512_set1_epi32(0xff)));
-}
-
-typedef struct { __m512 d[ROW_TILE], m[ROW_TILE]; } acc16;
-
-static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, const act_q *a, int r0, int nr, acc16 *acc) {
-    const size_t bb = q4 ? sizeof(block_q4_1x16) : sizeof(block_q8_0x16);
-    __m512i wv[8];
-    for (int b = 0; b < nblk; b++, blk += bb) {
-        prefetch_ahead(blk, bb);
-        const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
-        const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q4 ? b4->d : b8->d)));
-        if (q4) {
-            __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b4->m));
-            for (int c = 0; c < 4; c++) {
-                __m512i v = _mm512_loadu_si512((const void *)b4->qs[c]);
-                wv[c] = nib_lo(v);
-                wv[c + 4] = nib_hi(v);
-            }
-            rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
-        } else {
-            for (int c = 0; c < 8; c++) wv[c] = _mm512_loadu_si512((const void *)b8->qs[c]);
-            rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
-        }
-    }
-}
-
-static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, const act_q *a, int r0, int nr, acc16 *acc) {
-    const size_t bb = q51 ? sizeof(block_q5_1x16) : sizeof(block_q5_0x16);
-    __m512i wv[8];
-    for (int b = 0; b < nblk; b++, blk += bb) {
-        prefetch_ahead(blk, bb);
-        const block_q5_0x16 *b0 = (const block_q5_0x16 *)blk;
-        const block_q5_1x16 *b1 = (const block_q5_1x16 *)blk;
-        const uint8_t (*qs)[LANES][4] = q51 ? b1->qs : b0->qs;
-        for (int c = 0; c < 4; c++) {
-            __m512i v = _mm512_loadu_si512((const void *)qs[c]);
-            wv[c] = nib_lo(v);
-            wv[c + 4] = nib_hi(v);
-        }
-        add_planes(wv, q51 ? b1->qh : b0->qh);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q51 ? b1->d : b0->d)));
-        if (q51) rows_dm(wv, dw, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1->m)), a, r0, nr, b, acc->d, acc->m);
-        else rows_dz(wv, dw, 16, a, r0, nr, b, acc->d);
-    }
-}
-
-/* Q4_K / Q5_K: per super-block the 8 sub-blocks' d sc and -dmin m first, then the sub-blocks */
-static inline void k_blocks(const uint8_t *blk, int nblk, int q5, const act_q *a, int r0, int nr, acc16 *acc) {
-    const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
-    __m512i wv[8];
-    for (int sb = 0; sb < nblk; sb++, blk += bb) {
-        const block_q4_Kx16 *k4 = (const block_q4_Kx16 *)blk;
-        const block_q5_Kx16 *k5 = (const block_q5_Kx16 *)blk;
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q5 ? k5->d : k4->d)));
-        __m512 nmin = _mm512_sub_ps(_mm512_setzero_ps(),
-                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q5 ? k5->dmin : k4->dmin))));
-        __m512i sc[2], mn[2];
-        unpack_k_scales(q5 ? k5->scales : k4->scales, sc, mn);
-        const uint8_t (*qs)[QBLOCK / 4][LANES][4] = q5 ? k5->qs : k4->qs;
-#pragma GCC unroll 8
-        for (int j = 0; j < QK_K / QBLOCK; j++) {
-            prefetch_ahead(blk + j * (bb / 8), bb / 8);
-            if (j & 1)
-                for (int c = 0; c < 8; c++) wv[c] = nib_hi(_mm512_loadu_si512((const void *)qs[j >> 1][c]));
-            else
-                for (int c = 0; c < 8; c++) wv[c] = nib_lo(_mm512_loadu_si512((const void *)qs[j >> 1][c]));
-            if (q5) add_planes(wv, k5->qh[j]);
-            __m512 dw = _mm512_mul_ps(d, byte_as_float(sc[j >> 2], j));
-            __m512 mw = _mm512_mul_ps(nmin, byte_as_float(mn[j >> 2], j));
-            rows_dm(wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc->d, acc->m);
-        }
-    }
-}
-
-static inline void q6_blocks(const uint8_t *blk, int nblk, const act_q *a, int r0, int nr, acc16 *acc) {
-    const size_t bb = sizeof(block_q6_Kx16);
-    const __m512i top = _mm512_set1_epi8(0x30);
-    __m512i wv[8];
-    for (int sb = 0; sb < nblk; sb++, blk += bb) {
-        const block_q6_Kx16 *k6 = (const block_q6_Kx16 *)blk;
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k6->d));
-#pragma GCC unroll 8
-        for (int b = 0; b < QK_K / QBLOCK; b++) {
-            prefetch_ahead(blk + b * (bb / 8), bb / 8);
-            for (int half = 0; half < 2; half++) {
-                __m512i hv = _mm512_loadu_si512((const void *)k6->qh[b][half]);
-                __m512i hb[4] = {_mm512_slli_epi16(hv, 4), _mm512_slli_epi16(hv, 2), hv, _mm512_srli_epi16(hv, 2)};
-                for (int k = 0; k < 4; k++) {
-                    int c = 4 * half + k;
-                    __m512i v = _mm512_loadu_si512((const void *)k6->ql[b >> 1][c]);
-                    wv[c] = _mm512_or_si512(b & 1 ? nib_hi(v) : nib_lo(v), _mm512_and_si512(hb[k], top));
-                }
-            }
-            __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k6->scales[2 * b]));
-            __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k6->scales[2 * b + 1]));
-            rows_q6(wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc->d);
-        }
-    }
-}
-
-static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
-    const int type = w->type, nblk = w->cols / block_elems(type);
-    const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
-    acc16 acc;
-    for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = _mm512_setzero_ps();
-    switch (type) {
-    case SD_Q4_1: q4q8_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
-    case SD_Q8_0: q4q8_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
-    case SD_Q5_0: q5_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
-    case SD_Q5_1: q5_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
-    case SD_Q4_K: k_blocks(blk, nblk, 0, a, r0, nr, &acc); break;
-    case SD_Q5_K: k_blocks(blk, nblk, 1, a, r0, nr, &acc); break;
-    case SD_Q6_K: q6_blocks(blk, nblk, a, r0, nr, &acc); break;
-    default: break;
-    }
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(acc.d[r], acc.m[r]));
-}
 #else
+#define W 8
+typedef __m256i vi;
+typedef __m256 vf;
+#define vf_zero() _mm256_setzero_ps()
+#define vf_set1(x) _mm256_set1_ps(x)
+#define vf_add(a, b) _mm256_add_ps(a, b)
+#define vf_sub(a, b) _mm256_sub_ps(a, b)
+#define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_of_i32(v) _mm256_cvtepi32_ps(v)
+#define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define vi_zero() _mm256_setzero_si256()
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_load_i8_as_i32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define vi_set1_8(x) _mm256_set1_epi8(x)
+#define vi_set1_32(x) _mm256_set1_epi32(x)
+#define vi_and(a, b) _mm256_and_si256(a, b)
+#define vi_or(a, b) _mm256_or_si256(a, b)
+#define vi_add32(a, b) _mm256_add_epi32(a, b)
+#define vi_sub32(a, b) _mm256_sub_epi32(a, b)
+#define vi_mul32(a, b) _mm256_mullo_epi32(a, b)
+#define vi_srli16(v, n) _mm256_srli_epi16(v, n)
+#define vi_slli16(v, n) _mm256_slli_epi16(v, n)
+#define vi_srli32(v, n) _mm256_srli_epi32(v, n)
+
 /* acc + the 8 sums of 4 products u8 x s8 */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -325,7 +207,7 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 }
 
 /* wv[c] holds elements 4c .. 4c+3 of each of 8 lanes (Q4: c < 4 the low nibbles, c >= 4 the high) */
-static inline __m256i block_dot8(const __m256i *wv, const int8_t *q) {
+static inline __m256i block_dot(const __m256i *wv, const int8_t *q) {
     __m256i s[4];
     for (int c = 0; c < 4; c++) {
         int32_t f0, f1;
@@ -338,7 +220,7 @@ static inline __m256i block_dot8(const __m256i *wv, const int8_t *q) {
 }
 
 /* the dots of elements 0..15 (chunks 0..3) and 16..31 (chunks 4..7) apart */
-static inline void block_dot8_halves(const __m256i *wv, const int8_t *q, __m256i *s0, __m256i *s1) {
+static inline void block_dot_halves(const __m256i *wv, const int8_t *q, __m256i *s0, __m256i *s1) {
     __m256i s[4];
     for (int c = 0; c < 2; c++) {
         int32_t f0, f1, f2, f3;
@@ -353,172 +235,174 @@ static inline void block_dot8_halves(const __m256i *wv, const int8_t *q, __m256i
     *s1 = _mm256_add_epi32(s[2], s[3]);
 }
 
-static inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
-static inline __m256i nib_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
-
-/* u += 16 where half `half` of the bit plane says: bit p of the plane's 32-bit half -> byte p */
-static inline void add_planes(__m256i *wv, const uint8_t (*qh)[8], int half) {
+/* u += 16 where half `pass` of the bit plane says: bit p of the plane's 32-bit half -> byte p */
+static inline void add_planes(__m256i *wv, const uint8_t (*qh)[8], int pass) {
     const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     for (int c = 0; c < 8; c++) {
         int32_t bits;
-        memcpy(&bits, qh[c] + 4 * half, 4);
+        memcpy(&bits, qh[c] + 4 * pass, 4);
         __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread);
         v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
         wv[c] = _mm256_or_si256(wv[c], _mm256_and_si256(v, _mm256_set1_epi8(16)));
     }
 }
+#endif
 
-static inline void rows_dm(const __m256i *wv, __m256 dw, __m256 mw, const act_q *a, int r0, int nr, int b,
-                           __m256 *accd, __m256 *accm) {
+static inline vi nib_lo(vi v) { return vi_and(v, vi_set1_8(15)); }
+static inline vi nib_hi(vi v) { return vi_and(vi_srli16(v, 4), vi_set1_8(15)); }
+
+/* the offset kinds' rows: w = dw u + mw over block b */
+static inline void rows_dm(const vi *wv, vf dw, vf mw, const act_q *a, int r0, int nr, int b, vf *accd, vf *accm) {
     for (int r = 0; r < nr; r++) {
         size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        __m256i s = block_dot8(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        vi s = block_dot(wv, a->q + row * a->k + (size_t)b * QBLOCK);
         float dx = a->d[at];
-        accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * (float)a->sum[at]), accm[r]);
-        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), accd[r]);
+        accm[r] = vf_fmadd(mw, vf_set1(dx * (float)a->sum[at]), accm[r]);
+        accd[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(dx)), accd[r]);
     }
 }
 
-static inline void rows_dz(const __m256i *wv, __m256 dw, int zero, const act_q *a, int r0, int nr, int b,
-                           __m256 *accd) {
+/* the zero-point kinds' rows: w = dw (u - zero) over block b */
+static inline void rows_dz(const vi *wv, vf dw, int zero, const act_q *a, int r0, int nr, int b, vf *accd) {
     for (int r = 0; r < nr; r++) {
         size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        __m256i s = block_dot8(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        vi s = block_dot(wv, a->q + row * a->k + (size_t)b * QBLOCK);
         float dx = a->d[at];
-        s = _mm256_sub_epi32(s, _mm256_set1_epi32(zero * a->sum[at]));
-        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), accd[r]);
+        s = vi_sub32(s, vi_set1_32(zero * a->sum[at]));
+        accd[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(dx)), accd[r]);
     }
 }
 
-static inline void rows_q6(const __m256i *wv, __m256i sc0, __m256i sc1, __m256 dw, const act_q *a, int r0,
-                           int nr, int b, __m256 *accd) {
+/* Q6_K's rows: w = dw sc0 (u - 32) over the first 16 elements of block b, dw sc1 (u - 32) over
+ * the last 16 */
+static inline void rows_q6(const vi *wv, vi sc0, vi sc1, vf dw, const act_q *a, int r0, int nr, int b, vf *accd) {
     for (int r = 0; r < nr; r++) {
         size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
         const int8_t *q = a->q + row * a->k + (size_t)b * QBLOCK;
-        __m256i s0, s1;
-        block_dot8_halves(wv, q, &s0, &s1);
+        vi s0, s1;
+        block_dot_halves(wv, q, &s0, &s1);
         int32_t lo = sum16(q), hi = a->sum[at] - lo;
-        s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * lo));
-        s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * hi));
-        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
-        accd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[at])), accd[r]);
+        s0 = vi_sub32(s0, vi_set1_32(32 * lo));
+        s1 = vi_sub32(s1, vi_set1_32(32 * hi));
+        vi s = vi_add32(vi_mul32(s0, sc0), vi_mul32(s1, sc1));
+        accd[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(a->d[at])), accd[r]);
     }
 }
 
-static inline void unpack_k_scales(const uint32_t (*scales)[LANES], int half, __m256i sc[2], __m256i mn[2]) {
-    __m256i w0 = _mm256_loadu_si256((const __m256i *)(scales[0] + HALF * half));
-    __m256i w1 = _mm256_loadu_si256((const __m256i *)(scales[1] + HALF * half));
-    __m256i w2 = _mm256_loadu_si256((const __m256i *)(scales[2] + HALF * half));
-    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-    sc[0] = _mm256_and_si256(w0, m6);
-    mn[0] = _mm256_and_si256(w1, m6);
-    sc[1] = _mm256_or_si256(_mm256_and_si256(w2, m4), _mm256_and_si256(_mm256_srli_epi32(w0, 2), top));
-    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(w1, 2), top));
+/* Q4_K / Q5_K's 8 sub-block scales and mins of W lanes from lane0: byte j of sc[j / 4] (min:
+ * mn[j / 4]) */
+static inline void unpack_k_scales(const uint32_t (*scales)[LANES], int lane0, vi sc[2], vi mn[2]) {
+    vi w0 = vi_load(scales[0] + lane0), w1 = vi_load(scales[1] + lane0), w2 = vi_load(scales[2] + lane0);
+    const vi m6 = vi_set1_8(0x3f), m4 = vi_set1_8(0x0f), top = vi_set1_8(0x30);
+    sc[0] = vi_and(w0, m6);
+    mn[0] = vi_and(w1, m6);
+    sc[1] = vi_or(vi_and(w2, m4), vi_and(vi_srli32(w0, 2), top));
+    mn[1] = vi_or(vi_and(vi_srli32(w2, 4), m4), vi_and(vi_srli32(w1, 2), top));
 }
 
-static inline __m256 byte_as_float(__m256i v, int j) {
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (j & 3)), _mm256_set1_epi32(0xff)));
+static inline vf byte_as_float(vi v, int j) {
+    return vf_of_i32(vi_and(vi_srli32(v, 8 * (j & 3)), vi_set1_32(0xff)));
 }
 
-typedef struct { __m256 d[ROW_TILE], m[ROW_TILE]; } acc8;
+/* wv[c] = the low nibbles of chunk c, wv[c + 4] its high nibbles (Q4_1, Q5_0, Q5_1's qs) */
+static inline void load_nibble_pairs(vi *wv, const uint8_t (*qs)[LANES][4], int lane0) {
+    for (int c = 0; c < 4; c++) {
+        vi v = vi_load(qs[c][lane0]);
+        wv[c] = nib_lo(v);
+        wv[c + 4] = nib_hi(v);
+    }
+}
 
-/* each over one half of a group (lanes lane0 .. lane0+7); half 0 prefetches */
-static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+typedef struct { vf d[ROW_TILE], m[ROW_TILE]; } accw;
+
+/* each over the W lanes of pass `pass` of a group (lanes W pass .. W pass + W-1); pass 0 prefetches */
+static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, int pass, const act_q *a, int r0, int nr, accw *acc) {
     const size_t bb = q4 ? sizeof(block_q4_1x16) : sizeof(block_q8_0x16);
-    const int lane0 = HALF * half;
-    __m256i wv[8];
+    const int lane0 = W * pass;
+    vi wv[8];
     for (int b = 0; b < nblk; b++, blk += bb) {
-        if (half == 0) prefetch_ahead(blk, bb);
+        if (pass == 0) prefetch_ahead(blk, bb);
         const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
         const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q4 ? b4->d : b8->d) + lane0)));
+        vf dw = vf_load_f16((q4 ? b4->d : b8->d) + lane0);
         if (q4) {
-            __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b4->m + lane0)));
-            for (int c = 0; c < 4; c++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)b4->qs[c][lane0]);
-                wv[c] = nib_lo(v);
-                wv[c + 4] = nib_hi(v);
-            }
+            vf mw = vf_load_f16(b4->m + lane0);
+            load_nibble_pairs(wv, b4->qs, lane0);
             rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
         } else {
-            for (int c = 0; c < 8; c++) wv[c] = _mm256_loadu_si256((const __m256i *)b8->qs[c][lane0]);
+            for (int c = 0; c < 8; c++) wv[c] = vi_load(b8->qs[c][lane0]);
             rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
         }
     }
 }
 
-static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, int pass, const act_q *a, int r0, int nr, accw *acc) {
     const size_t bb = q51 ? sizeof(block_q5_1x16) : sizeof(block_q5_0x16);
-    const int lane0 = HALF * half;
-    __m256i wv[8];
+    const int lane0 = W * pass;
+    vi wv[8];
     for (int b = 0; b < nblk; b++, blk += bb) {
-        if (half == 0) prefetch_ahead(blk, bb);
+        if (pass == 0) prefetch_ahead(blk, bb);
         const block_q5_0x16 *b0 = (const block_q5_0x16 *)blk;
         const block_q5_1x16 *b1 = (const block_q5_1x16 *)blk;
-        const uint8_t (*qs)[LANES][4] = q51 ? b1->qs : b0->qs;
-        for (int c = 0; c < 4; c++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)qs[c][lane0]);
-            wv[c] = nib_lo(v);
-            wv[c + 4] = nib_hi(v);
-        }
-        add_planes(wv, q51 ? b1->qh : b0->qh, half);
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q51 ? b1->d : b0->d) + lane0)));
-        if (q51) rows_dm(wv, dw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b1->m + lane0))), a, r0, nr, b, acc->d, acc->m);
+        load_nibble_pairs(wv, q51 ? b1->qs : b0->qs, lane0);
+        add_planes(wv, q51 ? b1->qh : b0->qh, pass);
+        vf dw = vf_load_f16((q51 ? b1->d : b0->d) + lane0);
+        if (q51) rows_dm(wv, dw, vf_load_f16(b1->m + lane0), a, r0, nr, b, acc->d, acc->m);
         else rows_dz(wv, dw, 16, a, r0, nr, b, acc->d);
     }
 }
 
-static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+/* Q4_K / Q5_K: per super-block the 8 sub-blocks' d sc and -dmin m first, then the sub-blocks */
+static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, const act_q *a, int r0, int nr, accw *acc) {
     const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
-    const int lane0 = HALF * half;
-    __m256i wv[8];
+    const int lane0 = W * pass;
+    vi wv[8];
     for (int sb = 0; sb < nblk; sb++, blk += bb) {
         const block_q4_Kx16 *k4 = (const block_q4_Kx16 *)blk;
         const block_q5_Kx16 *k5 = (const block_q5_Kx16 *)blk;
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q5 ? k5->d : k4->d) + lane0)));
-        __m256 nmin = _mm256_sub_ps(_mm256_setzero_ps(),
-                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((q5 ? k5->dmin : k4->dmin) + lane0))));
-        __m256i sc[2], mn[2];
-        unpack_k_scales(q5 ? k5->scales : k4->scales, half, sc, mn);
+        vf d = vf_load_f16((q5 ? k5->d : k4->d) + lane0);
+        vf nmin = vf_sub(vf_zero(), vf_load_f16((q5 ? k5->dmin : k4->dmin) + lane0));
+        vi sc[2], mn[2];
+        unpack_k_scales(q5 ? k5->scales : k4->scales, lane0, sc, mn);
         const uint8_t (*qs)[QBLOCK / 4][LANES][4] = q5 ? k5->qs : k4->qs;
 #pragma GCC unroll 8
         for (int j = 0; j < QK_K / QBLOCK; j++) {
-            if (half == 0) prefetch_ahead(blk + j * (bb / 8), bb / 8);
+            if (pass == 0) prefetch_ahead(blk + j * (bb / 8), bb / 8);
             if (j & 1)
-                for (int c = 0; c < 8; c++) wv[c] = nib_hi(_mm256_loadu_si256((const __m256i *)qs[j >> 1][c][lane0]));
+                for (int c = 0; c < 8; c++) wv[c] = nib_hi(vi_load(qs[j >> 1][c][lane0]));
             else
-                for (int c = 0; c < 8; c++) wv[c] = nib_lo(_mm256_loadu_si256((const __m256i *)qs[j >> 1][c][lane0]));
-            if (q5) add_planes(wv, k5->qh[j], half);
-            __m256 dw = _mm256_mul_ps(d, byte_as_float(sc[j >> 2], j));
-            __m256 mw = _mm256_mul_ps(nmin, byte_as_float(mn[j >> 2], j));
+                for (int c = 0; c < 8; c++) wv[c] = nib_lo(vi_load(qs[j >> 1][c][lane0]));
+            if (q5) add_planes(wv, k5->qh[j], pass);
+            vf dw = vf_mul(d, byte_as_float(sc[j >> 2], j));
+            vf mw = vf_mul(nmin, byte_as_float(mn[j >> 2], j));
             rows_dm(wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc->d, acc->m);
         }
     }
 }
 
-static inline void q6_blocks(const uint8_t *blk, int nblk, int half, const act_q *a, int r0, int nr, acc8 *acc) {
+static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q *a, int r0, int nr, accw *acc) {
     const size_t bb = sizeof(block_q6_Kx16);
-    const int lane0 = HALF * half;
-    const __m256i top = _mm256_set1_epi8(0x30);
-    __m256i wv[8];
+    const int lane0 = W * pass;
+    const vi top = vi_set1_8(0x30);
+    vi wv[8];
     for (int sb = 0; sb < nblk; sb++, blk += bb) {
         const block_q6_Kx16 *k6 = (const block_q6_Kx16 *)blk;
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k6->d + lane0)));
+        vf d = vf_load_f16(k6->d + lane0);
 #pragma GCC unroll 8
         for (int b = 0; b < QK_K / QBLOCK; b++) {
-            if (half == 0) prefetch_ahead(blk + b * (bb / 8), bb / 8);
+            if (pass == 0) prefetch_ahead(blk + b * (bb / 8), bb / 8);
             for (int hh = 0; hh < 2; hh++) {
-                __m256i hv = _mm256_loadu_si256((const __m256i *)k6->qh[b][hh][lane0]);
-                __m256i hb[4] = {_mm256_slli_epi16(hv, 4), _mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 2)};
+                vi hv = vi_load(k6->qh[b][hh][lane0]);
+                vi hb[4] = {vi_slli16(hv, 4), vi_slli16(hv, 2), hv, vi_srli16(hv, 2)};
                 for (int k = 0; k < 4; k++) {
                     int c = 4 * hh + k;
-                    __m256i v = _mm256_loadu_si256((const __m256i *)k6->ql[b >> 1][c][lane0]);
-                    wv[c] = _mm256_or_si256(b & 1 ? nib_hi(v) : nib_lo(v), _mm256_and_si256(hb[k], top));
+                    vi v = vi_load(k6->ql[b >> 1][c][lane0]);
+                    wv[c] = vi_or(b & 1 ? nib_hi(v) : nib_lo(v), vi_and(hb[k], top));
                 }
             }
-            __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k6->scales[2 * b] + lane0)));
-            __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k6->scales[2 * b + 1] + lane0)));
+            vi sc0 = vi_load_i8_as_i32(k6->scales[2 * b] + lane0);
+            vi sc1 = vi_load_i8_as_i32(k6->scales[2 * b + 1] + lane0);
             rows_q6(wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc->d);
         }
     }
@@ -527,23 +411,22 @@ static inline void q6_blocks(const uint8_t *blk, int nblk, int half, const act_q
 static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
     const int type = w->type, nblk = w->cols / block_elems(type);
     const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
-    for (int half = 0; half < 2; half++) {            /* lanes 0..7, then 8..15 */
-        acc8 acc;
-        for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = _mm256_setzero_ps();
+    for (int pass = 0; pass < LANES / W; pass++) {
+        accw acc;
+        for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = vf_zero();
         switch (type) {
-        case SD_Q4_1: q4q8_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
-        case SD_Q8_0: q4q8_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
-        case SD_Q5_0: q5_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
-        case SD_Q5_1: q5_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
-        case SD_Q4_K: k_blocks(blk, nblk, 0, half, a, r0, nr, &acc); break;
-        case SD_Q5_K: k_blocks(blk, nblk, 1, half, a, r0, nr, &acc); break;
-        case SD_Q6_K: q6_blocks(blk, nblk, half, a, r0, nr, &acc); break;
+        case SD_Q4_1: q4q8_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
+        case SD_Q8_0: q4q8_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
+        case SD_Q5_0: q5_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
+        case SD_Q5_1: q5_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
+        case SD_Q4_K: k_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
+        case SD_Q5_K: k_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
+        case SD_Q6_K: q6_blocks(blk, nblk, pass, a, r0, nr, &acc); break;
         default: break;
         }
-        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + HALF * half, _mm256_add_ps(acc.d[r], acc.m[r]));
+        for (int r = 0; r < nr; r++) vf_store(out[r] + W * pass, vf_add(acc.d[r], acc.m[r]));
     }
 }
-#endif
 
 /* Parallel over groups of LANES outputs; a row's outputs never depend on the other rows. */
 void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int n_out,
