@@ -49,6 +49,11 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-recipe", default="auto", choices=["auto"] + [r.name for r in FP8_RECIPES],
                    help="FP8 engines: how weights and inputs are scaled; auto: the fastest recipe that "
                         "meets the quality bar on the calibration prompts (docs/building.md)")
+    p.add_argument("--wide-activations", default="auto",
+                   help="gguf engines: the matrices whose inputs the native kernel takes as wide activations "
+                        "(two int8 rows, ~14 bits) instead of int8: auto (the fewest that keep top-1 agreement "
+                        ">= 0.99 with all wide on the calibration prompts), none, all, or families by comma: "
+                        "qkv, o, gate_up, down, lm_head (docs/building.md)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -62,7 +67,7 @@ def cmd_build(args) -> int:
         drafts=_drafts(args), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
         quiet=args.quiet, extra={"remote_draft": args.remote_draft, "remote_draft_kind": args.remote_draft_kind,
-                                 "fp8_recipe": args.fp8_recipe})
+                                 "fp8_recipe": args.fp8_recipe, "wide_activations": args.wide_activations})
     build(cfg)
     return 0
 
@@ -128,6 +133,10 @@ def cmd_bench_engine(args) -> int:
     from backend.manifest import EngineManifest
 
     m = EngineManifest.load(_engine_dir(args))
+    if args.wide:
+        engine_bench.wide_ab(m, load_prompts(args.prompts), args.wide.split(";"), args.reps, args.max_new_tokens,
+                             Path(args.json) if args.json else None)
+        return 0
     engine_bench.run(m, load_prompts(args.prompts), Path(args.json) if args.json else None,
                      Path(args.plot) if args.plot else None,
                      formats=args.formats.split(",") if args.formats else None, reps=args.reps,
@@ -401,6 +410,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    p.add_argument("--wide", default=None,
+                   help="instead: the cost of wide activations on the gguf engine, settings by ';' (none, all, "
+                        "built: the build's choice, or families by comma), alternated --reps times in one process")
     p.set_defaults(func=cmd_bench_engine)
 
     p = sub.add_parser("build-draft-node", help="a model repository serving a built draft to remote targets")

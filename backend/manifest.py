@@ -176,6 +176,12 @@ class EngineFile:
     # (top-1 agreement and KL against fp32 on the calibration prompts; build/fp8_choice.py);
     # None for other formats and manifests written before recipes (per-channel, per-tensor)
     fp8: dict | None = None
+    # gguf engines (the native kernel): the matrix families whose inputs are wide activations
+    # (two int8 rows per row, ~14 bits; kernels.h act_q.wide): "qkv", "o", "gate_up", "down",
+    # "lm_head"; and how the build chose them (build/wide_choice.py: the measured agreement of each
+    # candidate, the bar), None where no choice was made (other formats, older manifests)
+    wide_activations: tuple[str, ...] = ()
+    activations: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -286,7 +292,8 @@ class EngineManifest:
             raise ManifestMismatch(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
                              "rebuild the engines with `specdec build`")
         engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"]),
-                                    "feature_layers": tuple(v.get("feature_layers", ()))})
+                                    "feature_layers": tuple(v.get("feature_layers", ())),
+                                    "wide_activations": tuple(v.get("wide_activations", ()))})
                    for k, v in d["engines"].items()}
         return cls(
             model=ModelConfig.from_json(d["model"]),

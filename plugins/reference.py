@@ -146,6 +146,17 @@ def quantize_rows_ref(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.nd
     return q.reshape(x.shape), (amax / np.float32(127.0)).astype(np.float32)
 
 
+def wide_rows_ref(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x [R, K] float32 as wide activations see it, in float64: its int8 blocks plus its residual
+    (x - d q, in float32 as the kernel computes it) quantized the same way (kernels.h act_q.wide)."""
+    x = np.asarray(x, np.float32)
+    q, d = quantize_rows_ref(x, block)
+    first = (q.reshape(x.shape[0], -1, block).astype(np.float32) * d[..., None]).reshape(x.shape)
+    q2, d2 = quantize_rows_ref(x - first, block)
+    as64 = lambda q, d: (q.astype(np.float64).reshape(x.shape[0], -1, block) * d.astype(np.float64)[..., None])
+    return (as64(q, d) + as64(q2, d2)).reshape(x.shape)
+
+
 def blocked_matmul_ref(kind: str, d: np.ndarray, m: np.ndarray | None, ints: np.ndarray,
                        x: np.ndarray) -> np.ndarray:
     """y = (x quantized per block) @ w.T in float64 (the contract in the module docstring)."""

@@ -66,56 +66,40 @@ def test_manifest_describes_gemma3(repo, gemma_gguf):
         load_checkpoint(gemma_gguf).bytes_per_token()
 
 
-def _int8_activations(hf):
-    """transformers with every linear's input quantized as the native kernel quantizes it (int8
-    blocks of 32, scale amax/127, round to nearest even): what int8 activations alone cost."""
-    def q8(mod, args):
-        x = args[0]
-        xb = x.reshape(*x.shape[:-1], -1, 32)
-        d = xb.abs().amax(-1, keepdim=True) / 127
-        return ((torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape),)
-    return [m.register_forward_pre_hook(q8) for m in hf.modules() if isinstance(m, torch.nn.Linear)]
-
-
 def test_logits_match_transformers(repo, gemma_gguf, texts):
     """transformers dequantizes the same GGUF: the ONNX fp32 engine within 1e-4; the native engine
-    (the file's blocks as they are, int8 activations) agreeing on the top token as often as
-    transformers itself does with int8 activations (within half a point).
-
-    Issue 26 asks for native top-1 agreement >= 0.99. Not met: measured 0.978 (2026-12-03, AMD
-    EPYC). The int8 activations are the whole gap: transformers with only its linears' inputs
-    quantized the kernel's way agrees 0.976 with itself (perf-notes §17), so the test holds the
-    engine to that floor and to 0.97, and the 0.99 bar stays open (the lever: wider activations
-    for some matmuls, at their cost)."""
+    (the file's blocks as they are, wide activations where the build chose them) agrees with it
+    on the top token at >= 0.99 of the positions (issue 26). With int8 activations alone it
+    agreed 0.978 (perf-notes §17, printed beside it): the build measures that and widens the
+    matrices it must (build/wide_choice.py)."""
     m, _ = repo
+    wide = m.engine("gguf").wide_activations
+    assert wide and m.engine("gguf").activations["meets_bar"], m.engine("gguf").activations
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
                                                            dtype=torch.float32).eval()
-    agree = total = 0
+    agree = {"built": 0, "int8": 0}
+    total = 0
     rts = {f: load_runtime(m, f) for f in ("gguf", "fp32")}
-    refs = []
+    native = rts["gguf"]
+
+    def logits(rt, i, ids):
+        rt.alloc(i)
+        got = rt.forward([i], np.array([ids], np.int64), chain(len(ids)), np.arange(len(ids))[None]).logits[0]
+        rt.free(i)
+        return np.array(got)
+
     for i, ids in enumerate(texts):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].numpy()
-        refs.append(ref.argmax(-1))
-        for fmt, rt in rts.items():
-            rt.alloc(i)
-            got = rt.forward([i], np.array([ids], np.int64), chain(len(ids)), np.arange(len(ids))[None]).logits[0]
-            rt.free(i)
-            if fmt == "fp32":
-                assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, i
-            else:
-                agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-                total += len(ids)
-    hooks = _int8_activations(hf)
-    floor = 0
-    with torch.no_grad():
-        for ids, ref_top in zip(texts, refs):
-            floor += int((hf(torch.tensor([ids])).logits[0].numpy().argmax(-1) == ref_top).sum())
-    for h in hooks:
-        h.remove()
-    print(f"native top-1 agreement with transformers: {agree}/{total} = {agree / total:.4f}; "
-          f"transformers with int8 activations: {floor / total:.4f}")
-    assert agree / total >= 0.97 and agree / total >= floor / total - 0.005, (agree / total, floor / total)
+        got = logits(rts["fp32"], i, ids)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, i
+        for setting, w in (("int8", ()), ("built", wide)):
+            native.model.set_wide(w)
+            agree[setting] += int((logits(native, i, ids).argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    print(f"native top-1 agreement with transformers over {total} positions: wide {list(wide)} "
+          f"{agree['built'] / total:.4f}; int8 activations alone {agree['int8'] / total:.4f}")
+    assert agree["built"] / total >= 0.99, (agree, total)
     for rt in rts.values():
         rt.close()
 

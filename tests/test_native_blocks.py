@@ -120,6 +120,29 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(case):
         assert np.array_equal(alone, batch[r]), r
 
 
+def test_wide_activations_match_the_dequantized_weights_and_keep_rows_independent(case):
+    """Wide activations (the int8 blocks plus their residual's): the products of the dequantized
+    weights with what the two int8 rows hold, far closer to x W^T itself than int8 alone, and a
+    row's bits independent of the batch and the thread count as ever."""
+    from plugins.reference import wide_rows_ref
+
+    t, w, kind, data, rows, cols = case
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    x[:, 3] *= 60.0                                                    # an outlier column, as Gemma's
+    x[2, 64:96] = 0.0                                                  # an all-zero block
+    wd = w.astype(np.float64)
+    y = native.blocked_matmul(kind, data, rows, cols, x, threads=2, wide=True)[:, :ROWS]
+    ref = wide_rows_ref(x) @ wd.T
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), np.abs(y - ref).max()
+    exact = x.astype(np.float64) @ wd.T
+    narrow = native.blocked_matmul(kind, data, rows, cols, x, threads=2)[:, :ROWS]
+    assert np.abs(y - exact).max() * 50 < np.abs(narrow - exact).max()
+    for r in (0, 2, 5):
+        alone = native.blocked_matmul(kind, data, rows, cols, x[r:r + 1], threads=1, wide=True)[0, :ROWS]
+        assert np.array_equal(alone, y[r]), r
+
+
 def test_parts_of_one_kind_concatenate_and_mixed_kinds_become_q8():
     a, b = _tensor("Q4_K", n=16, seed=1), _tensor("Q4_K", n=24, seed=2)
     kind, data, rows, cols = matrix([a, b])

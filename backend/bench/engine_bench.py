@@ -52,10 +52,11 @@ def _forward_ms(rt, batch: int, context: int, t: int, reps: int) -> float:
 
 
 def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict], max_new: int,
-                       decode_only: bool = True, drafter: str = "none") -> dict:
+                       decode_only: bool = True, drafter: str = "none", wide: tuple[str, ...] | None = None) -> dict:
     """Greedy decoding (EOS ignored) through the same decoder the server uses: plain (drafter
     "none": decode-only tokens/s by default) or speculative with `drafter` ("auto": the
-    server's adaptive default, its drafters and cost model as `specdec serve` makes them)."""
+    server's adaptive default, its drafters and cost model as `specdec serve` makes them).
+    wide: plain decoding on the gguf engine with these wide families instead of its own."""
     from backend.config import DrafterKind, SamplingParams, ServeConfig
     from backend.decoder import SpecDecoder
     from backend.engine import make_decoder
@@ -67,6 +68,8 @@ def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict],
     kind = DrafterKind(drafter)
     if kind is DrafterKind.NONE:
         dec = SpecDecoder(load_runtime(manifest, fmt), tok, {})
+        if wide is not None:
+            dec.target.model.set_wide(wide)
     else:
         dec = make_decoder(ServeConfig(engine_dir=str(manifest.root), weight_format=fmt), manifest)
     total_tokens, total_s, per_prompt = 0, 0.0, []
@@ -133,6 +136,44 @@ def run(manifest: EngineManifest, prompts: list[dict], out_json: Path | None, pl
         Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
     if plot:
         _plot(result, Path(plot))
+    return result
+
+
+def wide_ab(manifest: EngineManifest, prompts: list[dict], specs: list[str], reps: int, max_new: int,
+            out_json: Path | None) -> dict:
+    """The cost of wide activations on the gguf engine, its settings in `specs` (wide_choice.parse's
+    forms, or "built": the manifest's own) alternated in one process: the median forward at B=1,
+    context 256, T = 1, 4, 8, and plain greedy decode-only tokens/s, each setting's runs
+    interleaved with the others' (rep r runs the settings in rotated order)."""
+    from backend.build import wide_choice
+    from backend.devices import load_runtime
+
+    built = manifest.engine("gguf").wide_activations
+    sets = {s: built if s == "built" else wide_choice.parse(s) for s in specs}
+    assert all(v is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
+    ms: dict = {s: {t: [] for t in (1, 4, 8)} for s in sets}
+    tps: dict = {s: [] for s in sets}
+    rt = load_runtime(manifest, "gguf")
+    for r in range(reps):
+        order = list(sets)[r % len(sets):] + list(sets)[:r % len(sets)]
+        for s in order:
+            rt.model.set_wide(sets[s])
+            for t in ms[s]:
+                ms[s][t].append(_forward_ms(rt, 1, 256, t, 5))
+            tps[s].append(greedy_tokens_per_s(manifest, "gguf", prompts, max_new, wide=sets[s])["tokens_per_s"])
+    rt.close()
+    base = specs[0]
+    result = {"settings": {s: list(v) for s, v in sets.items()}, "reps": reps, "max_new_tokens": max_new,
+              "forward_ms_b1_ctx256": {s: {t: round(statistics.median(v), 3) for t, v in d.items()} for s, d in ms.items()},
+              "plain_tokens_per_s": {s: round(statistics.median(v), 2) for s, v in tps.items()}}
+    result["plain_ratio_to_" + base] = {s: round(result["plain_tokens_per_s"][s] / result["plain_tokens_per_s"][base], 3)
+                                        for s in sets}
+    for s in sets:
+        f = result["forward_ms_b1_ctx256"][s]
+        print(f"{s:24s} {list(sets[s]) or 'none'}: forward T=1/4/8 {f[1]:.2f}/{f[4]:.2f}/{f[8]:.2f} ms, "
+              f"plain {result['plain_tokens_per_s'][s]:.1f} tok/s (x{result['plain_ratio_to_' + base][s]:.3f})", flush=True)
+    if out_json:
+        Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

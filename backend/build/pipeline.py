@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from backend.build import checkpoint as ckpt_mod
+from backend.build import checkpoint as ckpt_mod, wide_choice
 from backend.build.templates import fill_repository
 from backend.errors import UserError
 from backend import devices, draft_kinds
@@ -40,7 +40,8 @@ class BuildConfig:
     check_invariance: bool = True
     measure_costs: bool = True
     quiet: bool = False
-    extra: dict = field(default_factory=dict)   # remote_draft(_kind), default_drafter, fp8_recipe
+    extra: dict = field(default_factory=dict)   # remote_draft(_kind), default_drafter, fp8_recipe,
+                                                # wide_activations (build/wide_choice.parse's forms)
 
 
 def _tool_versions() -> dict[str, str]:
@@ -67,6 +68,10 @@ def build(cfg: BuildConfig) -> EngineManifest:
     for w, b in zip(cfg.weights, owners):
         if b.missing():
             raise BuildError(f"--weights {w.value} {b.missing()}")
+    try:
+        wide = wide_choice.parse(cfg.extra.get("wide_activations", "auto"))
+    except ValueError as exc:
+        raise BuildError(f"--wide-activations: {exc}") from None
     t_start = time.time()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
     from backend.build.embedded import resolve_target
@@ -97,7 +102,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
     ctx = devices.BuildContext(ck, engine_dir, tok_path, min(cfg.max_seq_len, ck.config.max_position_embeddings),
                                cfg.max_batch_size, log, cfg.quiet,
                                target_features(cfg.drafts, ck.config),   # an EAGLE-3 head's layers
-                               fp8_recipe=cfg.extra.get("fp8_recipe", "auto"))
+                               fp8_recipe=cfg.extra.get("fp8_recipe", "auto"), wide_activations=wide)
     if ctx.features:
         log(f"EAGLE-3 head: the target engines output the inputs of layers {list(ctx.features)} as features")
     default_format = cfg.default_format or cfg.weights[0]

@@ -88,7 +88,8 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         if features != ef.feature_layers and not backend.any_feature_layers:
             raise ValueError(f"the {ef.weights.value} engine outputs the features of layers {list(ef.feature_layers)}, "
                              f"not {list(features)}: its graph has them built in (use the gguf engine)")
-        ref = EngineRef(manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token, features)
+        ref = EngineRef(manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token, features,
+                        ef.wide_activations)
         return backend.load(manifest, ref, options)
     if engine not in manifest.drafts:
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")

@@ -38,6 +38,7 @@ class BuildContext:
     features: tuple[int, ...] = ()
     state: dict = field(default_factory=dict)
     fp8_recipe: str = "auto"                # FP8: "auto" (chosen by measured quality) or a recipe's name
+    wide_activations: tuple[str, ...] | None = None   # gguf: the wide matrix families; None: measured
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class EngineRef:
     num_layers: int
     pad_single_token: bool = False
     feature_layers: tuple[int, ...] = ()    # EAGLE-3 layers the forward outputs (target only)
+    wide_activations: tuple[str, ...] = ()  # the native kernel's wide matrix families (target only)
 
 
 class EngineBackend(ABC):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from backend.config import RuntimeOptions
 from backend.devices.base import EngineBackend, EngineRef
 from backend.devices.onnx import export_draft_model, export_eagle
 from backend.manifest import Device, DraftEntry, WeightFormat
@@ -40,7 +41,34 @@ class NativeBackend(EngineBackend):
         assert formats == (WeightFormat.GGUF,), formats
         t0 = time.time()
         ef = export_native(ctx.ck, ctx.ck.config.num_layers, ctx.max_seq_len, ctx.engine_dir / "target_gguf.bin")
-        return {WeightFormat.GGUF.value: replace(ef, feature_layers=ctx.features)}, {"gguf": time.time() - t0}
+        wide, report = self._wide_activations(ctx, ctx.engine_dir / ef.path)
+        ef = replace(ef, feature_layers=ctx.features, wide_activations=wide, activations=report)
+        return {WeightFormat.GGUF.value: ef}, {"gguf": time.time() - t0}
+
+    @staticmethod
+    def _wide_activations(ctx, path):
+        """The matrix families taking wide activations and the report (EngineFile.activations):
+        as --wide-activations names them, or measured on the calibration prompts (wide_choice)."""
+        from backend.build import wide_choice
+
+        if ctx.wide_activations is not None:
+            return ctx.wide_activations, {"wide": list(ctx.wide_activations), "chosen_by": "--wide-activations"}
+        from backend.build.torch_engine import calibration_prompts
+        from backend.runtime.native import NativeRuntime
+        from backend.tokenizer import Tokenizer
+
+        ck = ctx.ck
+        tok = Tokenizer(ctx.tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
+                        ck.config.bos_token_id, ck.tokenizer.add_bos_token)
+        prompts = calibration_prompts(tok, wide_choice.PROBE_PROMPTS, wide_choice.PROBE_TOKENS)
+        rt = NativeRuntime(path, ck.config, ck.config.num_layers, wide_choice.PROBE_TOKENS + 1,
+                           RuntimeOptions(max_sequences=1))
+        try:
+            wide, report = wide_choice.choose(rt, prompts, ctx.log)
+        finally:
+            rt.close()
+        ctx.log(f"wide activations: {list(wide) or 'none'} ({report['positions']} positions, {report['seconds']}s)")
+        return wide, report
 
     def export_layers(self, ctx, n, serving):      # the serving engine's first n layers, no new file
         ctx.log(f"self-draft: first {n} layers + head of {serving.path}")
@@ -69,4 +97,5 @@ class NativeBackend(EngineBackend):
     def load(self, manifest, ref: EngineRef, options):
         from backend.runtime.native import NativeRuntime
 
-        return NativeRuntime(ref.path, ref.config, ref.num_layers, manifest.max_seq_len, options, ref.feature_layers)
+        return NativeRuntime(ref.path, ref.config, ref.num_layers, manifest.max_seq_len, options, ref.feature_layers,
+                             ref.wide_activations)

@@ -50,13 +50,15 @@ class _Layer(ctypes.Structure):
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}      # forward.c SD_SILU, SD_GELU_TANH
+# forward.c SD_WIDE_*: the matrix families that can take wide activations (kernels.h act_q.wide)
+WIDE_FAMILIES = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8, "lm_head": 16}
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
                                     "head_dim", "vocab", "max_pos")] + \
                [("eps", _F32), ("scale", _F32), ("act", _I32), ("embed_scale", _F32),
-                ("final_softcap", _F32), ("attn_softcap", _F32),
+                ("final_softcap", _F32), ("attn_softcap", _F32), ("wide", _I32),
                 ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
                 ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("fc", _Matrix), ("fc_bias", _P)]
@@ -67,6 +69,11 @@ _REFUSED = {-9: "the KV cache", -10: "row_start", -11: "a row's KV slot", -12: "
             -13: "an input id", -14: "a position (the rope tables)", -15: "a node's write slot",
             -16: "a node's write column", -17: "a tree path (a scratch column)",
             -18: "a logit row", -19: "a feature layer"}
+
+
+def wide_mask(wide: tuple[str, ...]) -> int:
+    """forward.c's sd_model.wide bits for these families (KeyError: not one of WIDE_FAMILIES)."""
+    return sum(WIDE_FAMILIES[f] for f in set(wide))
 
 
 class _Cache(ctypes.Structure):
@@ -114,7 +121,7 @@ def library() -> ctypes.CDLL:
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
         lib.sd_isa.restype = ctypes.c_char_p
-        lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int]
+        lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
         lib.sd_matmul.restype = ctypes.c_int
         _LIB = lib
     return _LIB
@@ -126,7 +133,7 @@ class NativeABIError(UserError, RuntimeError):
 
 def expected_abi() -> dict[str, int]:
     """What this side was written against, in sd_abi's order (forward.c)."""
-    return {"abi version": 4, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+    return {"abi version": 5, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
             "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
             "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
             **kernel_abi()}
@@ -158,12 +165,14 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
-def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndarray, threads: int = 1) -> np.ndarray:
-    """The kernel alone: x [R, cols] float32 @ a repacked matrix (native_engine.repack) -> [R, rows]."""
+def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndarray, threads: int = 1,
+                   wide: bool = False) -> np.ndarray:
+    """The kernel alone: x [R, cols] float32 @ a repacked matrix (native_engine.repack) -> [R, rows]
+    (wide: x as wide activations)."""
     x = np.ascontiguousarray(x, np.float32)
     y = np.empty((x.shape[0], rows), np.float32)
     mat = _Matrix(_ptr(data), KINDS[kind], rows, cols, 0)
-    assert library().sd_matmul(ctypes.byref(mat), _ptr(x), x.shape[0], _ptr(y), threads) == 0, (rows, cols)
+    assert library().sd_matmul(ctypes.byref(mat), _ptr(x), x.shape[0], _ptr(y), threads, int(wide)) == 0, (rows, cols)
     return y
 
 
@@ -186,7 +195,8 @@ class BlockedMatrix:
 class NativeModel:
     """An engine file's tensors and the C model struct over them (kept alive together)."""
 
-    def __init__(self, path: str | Path, config: ModelConfig, num_layers: int):
+    def __init__(self, path: str | Path, config: ModelConfig, num_layers: int, wide: tuple[str, ...] = ()):
+        """wide: the matrix families that take wide activations (WIDE_FAMILIES)."""
         header, t = read_native(path)
         self.header, self.tensors = header, t
         assert num_layers <= header["num_layers"], (num_layers, header["num_layers"])   # a self-draft: the first N
@@ -214,7 +224,7 @@ class NativeModel:
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
                              c.vocab_size, header["max_positions"], c.rms_norm_eps, c.scale,
                              ACTIVATIONS[c.activation], c.embed_scale, c.final_logit_softcap, c.attn_logit_softcap,
-                             _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
+                             wide_mask(wide), _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))
         lib = library()
@@ -226,18 +236,25 @@ class NativeModel:
         self.embed_rows = header["tensors"]["embed"]["rows"]     # token ids index the (target's) embedding
         self.num_layers = n
 
+    def set_wide(self, wide: tuple[str, ...]) -> None:
+        """The families taking wide activations from the next forward on (the build's measure,
+        build/wide_choice.py; the workspace is sized per forward)."""
+        self.struct.wide = wide_mask(wide)
+
 
 class NativeRuntime(SlotSequences):
     ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
-                 options: RuntimeOptions = RuntimeOptions(), feature_layers: tuple[int, ...] = ()):
-        """feature_layers: EAGLE-3's, appended to `hidden` (EngineFile.feature_layers)."""
+                 options: RuntimeOptions = RuntimeOptions(), feature_layers: tuple[int, ...] = (),
+                 wide: tuple[str, ...] = ()):
+        """feature_layers: EAGLE-3's, appended to `hidden` (EngineFile.feature_layers); wide: the
+        matrix families that take wide activations (EngineFile.wide_activations)."""
         self.config, self.num_layers, self.max_seq_len = config, num_layers, max_seq_len
         assert all(0 <= f < num_layers for f in feature_layers), (feature_layers, num_layers)
         self.feature_layers = np.array(feature_layers, np.int32)
         self.feature_width = config.hidden_size * (1 + len(feature_layers))
         self.lib = library()
-        self.model = NativeModel(engine_path, config, num_layers)
+        self.model = NativeModel(engine_path, config, num_layers, wide)
         self.threads = options.threads or default_threads()
         self.capacity = options.max_sequences or 64
         self.columns = max_seq_len + SCRATCH_COLUMNS

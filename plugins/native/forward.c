@@ -46,6 +46,9 @@ typedef struct {
 
 enum { SD_SILU = 0, SD_GELU_TANH = 1 };
 
+/* sd_model.wide: the matrix families whose inputs are wide activations (kernels.h act_q.wide) */
+enum { SD_WIDE_QKV = 1, SD_WIDE_O = 2, SD_WIDE_GATE_UP = 4, SD_WIDE_DOWN = 8, SD_WIDE_LM_HEAD = 16 };
+
 typedef struct {
     int32_t hidden, inter, num_layers, num_heads, num_kv_heads, head_dim, vocab, max_pos;
     float eps, scale;
@@ -53,6 +56,7 @@ typedef struct {
     float embed_scale;                   /* the embedding's multiplier (Gemma: sqrt(H)); 0 or 1: none */
     float final_softcap;                 /* logits = cap tanh(logits / cap); 0: none */
     float attn_softcap;                  /* attention scores likewise, before the mask (Gemma-2); 0: none */
+    int32_t wide;                        /* SD_WIDE_* bits: these matrices take wide activations */
     const float *rope_cos, *rope_sin;    /* [max_pos, D/2] */
     const float *norm;                   /* [H] */
     sd_matrix embed, lm_head;            /* embed: gathered one row per token */
@@ -187,8 +191,9 @@ static size_t carve(const sd_model *m, const sd_step *s, uint8_t *base, buffers 
     b->work_len = attend_work_floats(max_tokens, max_ctx, s->path_len);
     b->work = take(base, &used, sizeof(float) * b->work_len * threads);
     b->zero_col = take(base, &used, sizeof(uint16_t) * MAX_HEAD_DIM);
-    b->a = (act_q){take(base, &used, arows * kmax), take(base, &used, sizeof(float) * arows * kmax / QBLOCK),
-                   take(base, &used, sizeof(int32_t) * arows * kmax / QBLOCK), (int)h};
+    const size_t qrows = arows * (m->wide ? 2 : 1);        /* wide: two int8 rows per row */
+    b->a = (act_q){take(base, &used, qrows * kmax), take(base, &used, sizeof(float) * qrows * kmax / QBLOCK),
+                   take(base, &used, sizeof(int32_t) * qrows * kmax / QBLOCK), (int)h, 0};
     return used;
 }
 
@@ -213,6 +218,13 @@ void sd_workspace_free(sd_workspace *ws) {
 
 /* ---- the forward (each function runs on every thread of the forward's parallel region) ----- */
 
+/* my = rows of x [rows, k] quantized for the matrices of family `wide_bit` (SD_WIDE_*; 0: none) */
+static void quantize_for(act_q *my, const sd_model *m, int wide_bit, const float *x, int rows, int k) {
+    my->k = k;
+    my->wide = (m->wide & wide_bit) != 0;
+    quantize_rows(x, rows, k, my);
+}
+
 /* x = the tokens' embeddings (an EAGLE-3 head: emb, and x = its features); an EAGLE head: x =
  * fc([embedding, feature]) + fc_bias */
 static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *my) {
@@ -228,8 +240,7 @@ static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *
             memcpy(b->cat + (size_t)r * 2 * h, b->x + (size_t)r * h, sizeof(float) * h);
             memcpy(b->cat + (size_t)r * 2 * h + h, s->features + (size_t)r * h, sizeof(float) * h);
         }
-        my->k = 2 * h;
-        quantize_rows(b->cat, rows, 2 * h, my);
+        quantize_for(my, m, 0, b->cat, rows, 2 * h);
         matmul(&m->fc, my, rows, b->x, h, h, 0, m->fc_bias);
     }
 }
@@ -301,26 +312,21 @@ static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffer
     if (L->hidden_norm) {
         rmsnorm_rows(b->emb, rows, h, L->attn_norm, m->eps, b->cat, 2 * h);
         rmsnorm_rows(b->x, rows, h, L->hidden_norm, m->eps, b->cat + h, 2 * h);
-        my->k = 2 * h;
-        quantize_rows(b->cat, rows, 2 * h, my);
+        quantize_for(my, m, SD_WIDE_QKV, b->cat, rows, 2 * h);
     } else {
         rmsnorm_rows(b->x, rows, h, L->attn_norm, m->eps, b->hn, h);
-        my->k = h;
-        quantize_rows(b->hn, rows, h, my);
+        quantize_for(my, m, SD_WIDE_QKV, b->hn, rows, h);
     }
     parts(L->qkv, 3, my, rows, b->qkv, nqkv, L->qkv_bias);
     attention(m, c, s, b, work, l);
-    my->k = hqd;
-    quantize_rows(b->att, rows, hqd, my);
+    quantize_for(my, m, SD_WIDE_O, b->att, rows, hqd);
     residual(L->o, L->post_attn_norm, m, my, rows, b);
     rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
-    my->k = h;
-    quantize_rows(b->hn, rows, h, my);
+    quantize_for(my, m, SD_WIDE_GATE_UP, b->hn, rows, h);
     parts(L->gate_up, 2, my, rows, b->gu, 2 * inter, NULL);
     if (m->act == SD_GELU_TANH) geglu_rows(b->gu, rows, inter, b->act);
     else swiglu_rows(b->gu, rows, inter, b->act);
-    my->k = inter;
-    quantize_rows(b->act, rows, inter, my);
+    quantize_for(my, m, SD_WIDE_DOWN, b->act, rows, inter);
     residual(L->down, L->post_mlp_norm, m, my, rows, b);
 }
 
@@ -333,8 +339,7 @@ static void head(const sd_model *m, const sd_step *s, const buffers *b, act_q *m
 #pragma omp for schedule(static)
     for (int i = 0; i < s->num_logits; i++)
         memcpy(b->hn + (size_t)i * h, b->fin + (size_t)s->logit_rows[i] * h, sizeof(float) * h);
-    my->k = h;
-    quantize_rows(b->hn, s->num_logits, h, my);
+    quantize_for(my, m, SD_WIDE_LM_HEAD, b->hn, s->num_logits, h);
     matmul(&m->lm_head, my, s->num_logits, s->logits, m->vocab, m->vocab, 0, NULL);
     if (m->final_softcap > 0.0f) softcap_rows(s->logits, s->num_logits, m->vocab, m->vocab, m->final_softcap);
 }
@@ -393,7 +398,8 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */
-#define SD_ABI_VERSION 4   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap */
+#define SD_ABI_VERSION 5   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap;
+                              5: wide activations (sd_model.wide, sd_matmul's wide) */
 int sd_abi(int64_t *out, int n) {
     int64_t v[8 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
                          sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace)};
@@ -413,13 +419,13 @@ const char *sd_isa(void) {
 #endif
 }
 
-/* y[rows, W.rows] = x W^T for float rows x [rows, W.cols]: the kernel alone, for its tests and
- * host-side products between steps (runtime/native.py BlockedMatrix). Its own small buffers:
- * callers on any thread share no state. */
-int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int threads) {
-    int nb = w->cols / QBLOCK;
-    act_q a = {alloc_lines((size_t)rows * w->cols), alloc_lines(sizeof(float) * (size_t)rows * nb),
-               alloc_lines(sizeof(int32_t) * (size_t)rows * nb), w->cols};
+/* y[rows, W.rows] = x W^T for float rows x [rows, W.cols] (wide: wide activations): the kernel
+ * alone, for its tests and host-side products between steps (runtime/native.py BlockedMatrix).
+ * Its own small buffers: callers on any thread share no state. */
+int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int threads, int wide) {
+    const size_t nb = w->cols / QBLOCK, qrows = (size_t)rows * (wide ? 2 : 1);
+    act_q a = {alloc_lines(qrows * w->cols), alloc_lines(sizeof(float) * qrows * nb),
+               alloc_lines(sizeof(int32_t) * qrows * nb), w->cols, wide != 0};
     int ok = a.q && a.d && a.sum && w->cols % QBLOCK == 0 && usable(w);
     if (ok) {
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)

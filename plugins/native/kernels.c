@@ -8,6 +8,7 @@
 #include "simd.h"
 
 #define ROW_TILE 4              /* activation rows per pass over a weight group */
+_Static_assert(ROW_TILE % 2 == 0, "a tile holds whole pairs of wide activation rows");
 /* software prefetch distance in the weight stream: the hardware prefetcher alone left T = 1 ~20%
    slower (perf-notes §12); a prefetch never faults, so reading past a matrix's end is harmless */
 #define PREFETCH_AHEAD 4096
@@ -26,45 +27,59 @@ int kernel_abi(int64_t *out) {
 
 /* ---- activations ------------------------------------------------------------------------- */
 
-static void quantize_row(const float *x, int k, int8_t *q, float *d, int32_t *sum) {
+/* one block of 32: q = round(x / db), db = amax / 127 (0 for an all-zero block), sum = sum q */
+static void quantize_block(const float *xb, int8_t *q, float *d, int32_t *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int b = 0; b < k / QBLOCK; b++) {
-        const float *xb = x + b * QBLOCK;
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float amax = _mm_cvtss_f32(m4);                   /* max is exact in any order */
+    float db = amax / 127.0f, id = db > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++)                       /* round to nearest even */
+        qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    __m256i s01 = _mm256_add_epi32(qi[0], qi[1]), s23 = _mm256_add_epi32(qi[2], qi[3]);
+    __m256i st = _mm256_add_epi32(s01, s23);
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, st);
+    int32_t total = 0;
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    __m256i p16 = _mm256_packs_epi32(qi[0], qi[1]);   /* in-lane order, fixed below */
+    __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    __m256i p8 = _mm256_packs_epi16(p16, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+    *d = db;
+    *sum = total;
+}
+
+/* row r of x into int8 row r (narrow) or rows 2r, 2r + 1 (wide: the blocks, then their residuals) */
+static void quantize_row(const float *x, int k, int wide, int8_t *q, float *d, int32_t *sum) {
+    const int nb = k / QBLOCK;
+    for (int b = 0; b < nb; b++) {
+        quantize_block(x + b * QBLOCK, q + b * QBLOCK, d + b, sum + b);
+        if (!wide) continue;
+        float res[QBLOCK];
+        const __m256 db = _mm256_set1_ps(d[b]);
+        for (int i = 0; i < QBLOCK; i += 8) {      /* x - db q, elementwise (no fused multiply-add) */
+            __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * QBLOCK + i))));
+            _mm256_storeu_ps(res + i, _mm256_sub_ps(_mm256_loadu_ps(x + b * QBLOCK + i), _mm256_mul_ps(db, qf)));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float amax = _mm_cvtss_f32(m4);                   /* max is exact in any order */
-        float db = amax / 127.0f, id = db > 0.0f ? 127.0f / amax : 0.0f;
-        __m256i qi[4];
-        for (int i = 0; i < 4; i++)                       /* round to nearest even */
-            qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        __m256i s01 = _mm256_add_epi32(qi[0], qi[1]), s23 = _mm256_add_epi32(qi[2], qi[3]);
-        __m256i st = _mm256_add_epi32(s01, s23);
-        int32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)lanes, st);
-        int32_t total = 0;
-        for (int i = 0; i < 8; i++) total += lanes[i];
-        __m256i p16 = _mm256_packs_epi32(qi[0], qi[1]);   /* in-lane order, fixed below */
-        __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
-        __m256i p8 = _mm256_packs_epi16(p16, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * QBLOCK), p8);
-        d[b] = db;
-        sum[b] = total;
+        quantize_block(res, q + k + b * QBLOCK, d + nb + b, sum + nb + b);
     }
 }
 
 void quantize_rows(const float *x, int rows, int ldx, act_q *a) {
-    int nb = a->k / QBLOCK;
+    const int nb = a->k / QBLOCK, per = 1 + a->wide;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++)
-        quantize_row(x + (size_t)r * ldx, a->k, a->q + (size_t)r * a->k, a->d + (size_t)r * nb,
-                     a->sum + (size_t)r * nb);
+        quantize_row(x + (size_t)r * ldx, a->k, a->wide, a->q + (size_t)r * per * a->k,
+                     a->d + (size_t)r * per * nb, a->sum + (size_t)r * per * nb);
 }
 
 /* ---- matrix x activations ---------------------------------------------------------------- */
@@ -428,20 +443,21 @@ static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr,
     }
 }
 
-/* Parallel over groups of LANES outputs; a row's outputs never depend on the other rows. */
+/* Parallel over groups of LANES outputs; a row's outputs never depend on the other rows. Wide
+ * activations: a tile's int8 rows are pairs (ROW_TILE is even), a row's output the pair's sum. */
 void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int n_out,
             int accumulate, const float *bias) {
-    int groups = w->rows / LANES;
+    const int groups = w->rows / LANES, per = 1 + a->wide, arows = rows * per;
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
-        for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            int nr = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+        for (int r0 = 0; r0 < arows; r0 += ROW_TILE) {
+            int nr = arows - r0 < ROW_TILE ? arows - r0 : ROW_TILE;
             float out[ROW_TILE][LANES];
             group_dot(w, g, a, r0, nr, out);
-            for (int r = 0; r < nr; r++) {
-                float *yr = y + (size_t)(r0 + r) * ldy + g * LANES;
+            for (int r = 0; r < nr / per; r++) {
+                float *yr = y + (size_t)(r0 / per + r) * ldy + g * LANES;
                 for (int i = 0; i < LANES && g * LANES + i < n_out; i++) {
-                    float v = out[r][i];
+                    float v = a->wide ? out[2 * r][i] + out[2 * r + 1][i] : out[r][i];
                     if (bias) v = v + bias[g * LANES + i];
                     yr[i] = accumulate ? yr[i] + v : v;
                 }

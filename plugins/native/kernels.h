@@ -14,7 +14,11 @@
  *
  * Activations are quantized per row to int8 blocks of 32 (scale amax/127, as llama.cpp's Q8_1):
  *   y[n] = sum_b d[n,b] * dx[b] * sum_j u[n,b,j] a[b,j] + m[n,b] * dx[b] * sum_j a[b,j]
- * The integer sums are exact; the float sum runs over blocks in order, per output.
+ * The integer sums are exact; the float sum runs over blocks in order, per output. "Wide"
+ * activations (act_q.wide) add a second int8 row per row, the residual x - dx a quantized the
+ * same way, and y is the sum of the two rows' products: the weights are read once (the two rows
+ * share a pass over each weight group), the dot products double. A model chooses them per matrix
+ * family where int8 alone loses its answers (forward.c sd_model.wide).
  *
  * Numerics: every output value is computed by one thread in one fixed order, so a row's result
  * never depends on the batch, the tree, the thread count or garbage columns (batch invariance by
@@ -160,15 +164,18 @@ typedef struct {
 } sd_matrix;
 
 typedef struct {                         /* a batch of rows quantized to int8 blocks */
-    int8_t *q;                           /* [rows, k] */
-    float *d;                            /* [rows, k/32] */
-    int32_t *sum;                        /* [rows, k/32] */
+    int8_t *q;                           /* [rows (x2 wide), k] */
+    float *d;                            /* [rows (x2 wide), k/32] */
+    int32_t *sum;                        /* [rows (x2 wide), k/32] */
     int k;
+    int wide;                            /* 1: each row is two int8 rows, x's blocks and then the
+                                            residual's (x - d q), quantized alike; matmul adds the
+                                            two products: ~14 bits of activation instead of 8 */
 } act_q;
 
 /* ---- activations and matrices (omp for) ----------------------------------------------------- */
 
-/* a->q, d, sum for rows of x [rows, ldx], a->k wide */
+/* a->q, d, sum for rows of x [rows, ldx], a->k wide (a->wide: two int8 rows per row of x) */
 SD_KERNEL void quantize_rows(const float *x, int rows, int ldx, act_q *a);
 /* y[rows, ldy] = a W^T (+ y when accumulate; + bias [n_out]); only the first n_out outputs stored */
 SD_KERNEL void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int n_out,

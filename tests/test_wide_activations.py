@@ -1,0 +1,108 @@
+"""Wide activations on the native kernel (kernels.h act_q.wide; build/wide_choice.py): the build's
+choice by measured agreement, what it writes into the manifest, and that an engine with wide
+matrices is the same exact, batch-invariant engine to every drafter. The kernel's arithmetic
+against GGUF's dequantization is in test_native_blocks.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from backend.build import wide_choice
+from backend.build.pipeline import BuildConfig, BuildError, build
+from backend.manifest import WeightFormat
+from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
+from test_cli_errors import assert_one_line, specdec
+
+native = pytest.importorskip("backend.runtime.native")
+if not native.compiled():
+    pytest.skip("the native kernel is not compiled", allow_module_level=True)
+
+
+class _PlantedEngine:
+    """A stand-in runtime whose top-1 tokens leave the all-wide reference's at a planted share of
+    positions per narrow family (the shares add up, as they need not in a real model)."""
+
+    def __init__(self, loss: dict[str, float], cfg):
+        self.loss, self.config, self.forwards = loss, cfg, 0
+        self.model = SimpleNamespace(wide=(), set_wide=lambda w: setattr(self.model, "wide", tuple(w)))
+
+    def alloc(self, s):
+        pass
+
+    def free(self, s):
+        pass
+
+    def forward(self, seqs, ids, parents, index):
+        self.forwards += 1
+        n = ids.shape[1]
+        off = round(n * sum(v for f, v in self.loss.items() if f not in self.model.wide))
+        logits = np.zeros((1, n, 4), np.float32)
+        logits[0, np.arange(n), (np.arange(n) < off).astype(int)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def _cfg(vocab):
+    return SimpleNamespace(hidden_size=64, num_layers=2, head_dim=16, num_heads=4, num_kv_heads=2,
+                           intermediate_size=256, vocab_size=vocab)
+
+
+def test_the_search_keeps_narrow_every_family_the_bar_allows_largest_first():
+    prompts = [list(range(100))] * 2
+    # none fails (0.971); from all wide, lm_head (the largest here), gate_up, down and o can go
+    # narrow one after another (0.996, 0.992, 0.991, 0.991); qkv cannot (0.971)
+    rt = _PlantedEngine({"qkv": 0.02, "lm_head": 0.004, "gate_up": 0.004, "down": 0.001, "o": 0.0}, _cfg(4096))
+    wide, report = wide_choice.choose(rt, prompts, lambda *a: None)
+    assert wide == ("qkv",) and report["meets_bar"] and report["wide"] == ["qkv"]
+    tried = [tuple(m["wide"]) for m in report["measured"]]
+    assert tried[0] == () and tried[1] == ("qkv", "o", "gate_up", "down")    # lm_head tried narrow first
+    assert report["positions"] == 200 and rt.model.wide == ()                # left with none wide
+    # int8 alone meets the bar: nothing wide, one candidate measured besides the reference
+    rt = _PlantedEngine({"qkv": 0.005, "lm_head": 0.004}, _cfg(4096))
+    wide, report = wide_choice.choose(rt, prompts, lambda *a: None)
+    assert wide == () and [m["wide"] for m in report["measured"]] == [[]] and rt.forwards == 4
+
+
+def test_the_flag_s_forms_and_a_bad_one_refused_before_anything_is_read(tmp_path):
+    assert wide_choice.parse("auto") is None and wide_choice.parse("none") == ()
+    assert wide_choice.parse("all") == tuple(native.WIDE_FAMILIES)
+    assert wide_choice.parse("lm_head, qkv") == ("lm_head", "qkv")
+    with pytest.raises(BuildError, match="--wide-activations.*'mlp'"):
+        build(BuildConfig(target=str(tmp_path / "missing.gguf"), output=tmp_path / "r", quiet=True,
+                          extra={"wide_activations": "qkv,mlp"}))
+    r = specdec("build", "--wide-activations", "mlp", "--output", str(tmp_path / "r"), cwd=tmp_path)
+    assert_one_line(r, "build", "--wide-activations", "mlp", "lm_head")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wide")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=4)
+    named = build(BuildConfig(target=str(ckpt), output=d / "named", quiet=True, weights=(WeightFormat.GGUF,),
+                              drafts=("self:1",), measure_costs=False, extra={"wide_activations": "qkv,lm_head"}))
+    measured = build(BuildConfig(target=str(ckpt), output=d / "auto", quiet=True, weights=(WeightFormat.GGUF,),
+                                 measure_costs=False, check_invariance=False))
+    return named, measured
+
+
+def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
+    from backend.devices import load_runtime
+
+    named, measured = tiny
+    ef = named.engine("gguf")
+    assert ef.wide_activations == ("qkv", "lm_head") and ef.activations["chosen_by"] == "--wide-activations"
+    rt = load_runtime(named)
+    assert rt.model.struct.wide == native.WIDE_FAMILIES["qkv"] | native.WIDE_FAMILIES["lm_head"]
+    rt.close()
+    auto = measured.engine("gguf").activations
+    assert auto["chosen_by"] == "measured" and auto["meets_bar"] and auto["bar"] == wide_choice.BAR
+    assert list(measured.engine("gguf").wide_activations) == auto["wide"]
+    assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
+
+
+def test_an_engine_with_wide_matrices_is_exact_and_batch_invariant(tiny):
+    named, _ = tiny
+    assert named.engine("gguf").batch_invariant            # the build's verify-vs-single-steps check
+    for kind in ("prompt-lookup", "draft-model"):           # draft-model: the self:1 draft
+        assert_greedy_identity(spec_decoder(named, "gguf", num_draft_tokens=4), kind)
