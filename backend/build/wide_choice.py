@@ -30,8 +30,13 @@ import numpy as np
 
 from backend.runtime.native import WIDE_FAMILIES
 
-BAR = 0.99                      # top-1 agreement with the all-wide reference
-PROBE_PROMPTS, PROBE_TOKENS = 8, 128
+# top-1 agreement with the all-wide reference. The target is 0.99 against the float model; the
+# reference agrees with it (Gemma-3-270M: 1.0000 over the 1,690 public-prompt positions of
+# tests/test_gemma3_real.py), and the margin covers the probe's sampling error (~0.0015 at a few
+# thousand positions) and its prompts not being the user's: at 0.99 on 430 positions the build
+# once kept Gemma's LM head narrow at 0.9907, which read 0.9893 on the public prompts.
+BAR = 0.995
+PROBE_PROMPTS, PROBE_TOKENS = 24, 256
 
 
 def parse(value: str) -> tuple[str, ...] | None:
