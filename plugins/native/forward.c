@@ -324,8 +324,7 @@ static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffer
     rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
     quantize_for(my, m, SD_WIDE_GATE_UP, b->hn, rows, h);
     parts(L->gate_up, 2, my, rows, b->gu, 2 * inter, NULL);
-    if (m->act == SD_GELU_TANH) geglu_rows(b->gu, rows, inter, b->act);
-    else swiglu_rows(b->gu, rows, inter, b->act);
+    gated_rows(b->gu, rows, inter, m->act == SD_GELU_TANH, b->act);
     quantize_for(my, m, SD_WIDE_DOWN, b->act, rows, inter);
     residual(L->down, L->post_mlp_norm, m, my, rows, b);
 }

@@ -338,40 +338,36 @@ static inline void load_nibble_pairs(vi *wv, const uint8_t (*qs)[LANES][4], int 
 
 typedef struct { vf d[ROW_TILE], m[ROW_TILE]; } accw;
 
-/* each over the W lanes of pass `pass` of a group (lanes W pass .. W pass + W-1); pass 0 prefetches */
-static inline void q4q8_blocks(const uint8_t *blk, int nblk, int q4, int pass, const act_q *a, int r0, int nr, accw *acc) {
-    const size_t bb = q4 ? sizeof(block_q4_1x16) : sizeof(block_q8_0x16);
+/* each over the W lanes of pass `pass` of a group (lanes W pass .. W pass + W-1); pass 0 prefetches.
+ * Q4_1, Q8_0, Q5_0, Q5_1: one block of 32 inputs per step (`type` is a constant where inlined) */
+static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, const act_q *a, int r0, int nr,
+                            accw *acc) {
+    const size_t bb = block_bytes(type);
     const int lane0 = W * pass;
     vi wv[8];
     for (int b = 0; b < nblk; b++, blk += bb) {
         if (pass == 0) prefetch_ahead(blk, bb);
-        const block_q4_1x16 *b4 = (const block_q4_1x16 *)blk;
-        const block_q8_0x16 *b8 = (const block_q8_0x16 *)blk;
-        vf dw = vf_load_f16((q4 ? b4->d : b8->d) + lane0);
-        if (q4) {
-            vf mw = vf_load_f16(b4->m + lane0);
-            load_nibble_pairs(wv, b4->qs, lane0);
+        if (type == SD_Q4_1) {
+            const block_q4_1x16 *B = (const block_q4_1x16 *)blk;
+            vf dw = vf_load_f16(B->d + lane0), mw = vf_load_f16(B->m + lane0);
+            load_nibble_pairs(wv, B->qs, lane0);
             rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
-        } else {
-            for (int c = 0; c < 8; c++) wv[c] = vi_load(b8->qs[c][lane0]);
+        } else if (type == SD_Q8_0) {
+            const block_q8_0x16 *B = (const block_q8_0x16 *)blk;
+            vf dw = vf_load_f16(B->d + lane0);
+            for (int c = 0; c < 8; c++) wv[c] = vi_load(B->qs[c][lane0]);
             rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
+        } else if (type == SD_Q5_0) {
+            const block_q5_0x16 *B = (const block_q5_0x16 *)blk;
+            load_nibble_pairs(wv, B->qs, lane0);
+            add_planes(wv, B->qh, pass);
+            rows_dz(wv, vf_load_f16(B->d + lane0), 16, a, r0, nr, b, acc->d);
+        } else {                                       /* SD_Q5_1 */
+            const block_q5_1x16 *B = (const block_q5_1x16 *)blk;
+            load_nibble_pairs(wv, B->qs, lane0);
+            add_planes(wv, B->qh, pass);
+            rows_dm(wv, vf_load_f16(B->d + lane0), vf_load_f16(B->m + lane0), a, r0, nr, b, acc->d, acc->m);
         }
-    }
-}
-
-static inline void q5_blocks(const uint8_t *blk, int nblk, int q51, int pass, const act_q *a, int r0, int nr, accw *acc) {
-    const size_t bb = q51 ? sizeof(block_q5_1x16) : sizeof(block_q5_0x16);
-    const int lane0 = W * pass;
-    vi wv[8];
-    for (int b = 0; b < nblk; b++, blk += bb) {
-        if (pass == 0) prefetch_ahead(blk, bb);
-        const block_q5_0x16 *b0 = (const block_q5_0x16 *)blk;
-        const block_q5_1x16 *b1 = (const block_q5_1x16 *)blk;
-        load_nibble_pairs(wv, q51 ? b1->qs : b0->qs, lane0);
-        add_planes(wv, q51 ? b1->qh : b0->qh, pass);
-        vf dw = vf_load_f16((q51 ? b1->d : b0->d) + lane0);
-        if (q51) rows_dm(wv, dw, vf_load_f16(b1->m + lane0), a, r0, nr, b, acc->d, acc->m);
-        else rows_dz(wv, dw, 16, a, r0, nr, b, acc->d);
     }
 }
 
@@ -437,10 +433,10 @@ static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr,
         accw acc;
         for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = vf_zero();
         switch (type) {
-        case SD_Q4_1: q4q8_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
-        case SD_Q8_0: q4q8_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
-        case SD_Q5_0: q5_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
-        case SD_Q5_1: q5_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
+        case SD_Q4_1: blocks32(blk, nblk, SD_Q4_1, pass, a, r0, nr, &acc); break;
+        case SD_Q8_0: blocks32(blk, nblk, SD_Q8_0, pass, a, r0, nr, &acc); break;
+        case SD_Q5_0: blocks32(blk, nblk, SD_Q5_0, pass, a, r0, nr, &acc); break;
+        case SD_Q5_1: blocks32(blk, nblk, SD_Q5_1, pass, a, r0, nr, &acc); break;
         case SD_Q4_K: k_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
         case SD_Q5_K: k_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
         case SD_Q6_K: q6_blocks(blk, nblk, pass, a, r0, nr, &acc); break;
@@ -645,37 +641,30 @@ void softcap_rows(float *y, int rows, int n, int ld, float cap) {
     }
 }
 
-void geglu_rows(const float *gu, int rows, int inter, float *out) {
+/* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's GeGLU) */
+static inline __m256 gelu_tanh8(__m256 x) {
     const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f), half = _mm256_set1_ps(0.5f);
+    __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    __m256 inner = _mm256_mul_ps(c, _mm256_add_ps(x, _mm256_mul_ps(k, x3)));
+    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(inner)));
+}
+
+/* silu(g) = g / (1 + exp(-g)); exp of a positive argument overflows to inf -> 0 */
+static inline __m256 silu8(__m256 gv) {
+    __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
+    __m256 big = _mm256_cmp_ps(neg, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
+    __m256 e = exp8(_mm256_min_ps(neg, _mm256_set1_ps(88.0f)));
+    return _mm256_andnot_ps(big, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
+
+void gated_rows(const float *gu, int rows, int inter, int gelu_tanh, float *out) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (size_t)r * 2 * inter, *u = g + inter;
         float *o = out + (size_t)r * inter;
         for (int j = 0; j < inter; j += 8) {
             __m256 x = _mm256_loadu_ps(g + j);
-            /* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-            __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-            __m256 inner = _mm256_mul_ps(c, _mm256_add_ps(x, _mm256_mul_ps(k, x3)));
-            __m256 gl = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(inner)));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(gl, _mm256_loadu_ps(u + j)));
-        }
-    }
-}
-
-void swiglu_rows(const float *gu, int rows, int inter, float *out) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const float *g = gu + (size_t)r * 2 * inter, *u = g + inter;
-        float *o = out + (size_t)r * inter;
-        for (int j = 0; j < inter; j += 8) {
-            __m256 gv = _mm256_loadu_ps(g + j);
-            /* silu(g) = g / (1 + exp(-g)); exp of a positive argument overflows to inf -> 0 */
-            __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
-            __m256 big = _mm256_cmp_ps(neg, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
-            __m256 e = exp8(_mm256_min_ps(neg, _mm256_set1_ps(88.0f)));
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            s = _mm256_andnot_ps(big, s);
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(gelu_tanh ? gelu_tanh8(x) : silu8(x), _mm256_loadu_ps(u + j)));
         }
     }
 }

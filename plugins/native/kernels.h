@@ -189,10 +189,9 @@ SD_KERNEL void dequant_row(const sd_matrix *w, int n, float *out);
 SD_KERNEL void rmsnorm_rows(const float *x, int rows, int h, const float *w, float eps, float *y, int ldy);
 /* dst rows (ldd apart) = src rows (lds apart), h floats each */
 SD_KERNEL void copy_rows(const float *src, int lds, float *dst, int ldd, int rows, int h);
-/* out [rows, inter] = silu(gate) * up, gu [rows, 2 inter] = [gate | up] */
-SD_KERNEL void swiglu_rows(const float *gu, int rows, int inter, float *out);
-/* out [rows, inter] = gelu_tanh(gate) * up (Gemma's GeGLU), gu as for swiglu_rows */
-SD_KERNEL void geglu_rows(const float *gu, int rows, int inter, float *out);
+/* out [rows, inter] = act(gate) * up, gu [rows, 2 inter] = [gate | up]; act: silu, or where
+ * gelu_tanh the tanh GELU (Gemma's GeGLU) */
+SD_KERNEL void gated_rows(const float *gu, int rows, int inter, int gelu_tanh, float *out);
 /* x [rows, h] += t / rms(t) * w: a norm after attention or MLP, added to the residual stream */
 SD_KERNEL void add_normed_rows(const float *t, int rows, int h, const float *w, float eps, float *x);
 /* each of `heads` vectors of d at v = v / rms(v) * w, w [d] (q/k norms; on the calling thread) */
