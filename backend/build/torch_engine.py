@@ -143,6 +143,17 @@ def calibration_prompts(tokenizer, n: int = CALIBRATION_PROMPTS, max_tokens: int
     return [ids(m)[:max_tokens] for m in build_prompts(n, seed=1)]
 
 
+def checkpoint_prompts(ck: Checkpoint, tokenizer_json: Path, n: int = CALIBRATION_PROMPTS,
+                       max_tokens: int = 384) -> list[list[int]]:
+    """calibration_prompts with the build's tokenizer of checkpoint `ck` (tokenizer_json: the file
+    the build wrote); torch-free, shared by every device's build."""
+    from backend.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
+                    ck.config.bos_token_id, ck.tokenizer.add_bos_token)
+    return calibration_prompts(tok, n, max_tokens)
+
+
 def choose_recipe(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, act: dict, log,
                   choice: str = "auto") -> tuple[fp8.Recipe, dict]:
     """The FP8 recipe of a build and its report (EngineFile.fp8): measured by fp8_choice on
@@ -165,14 +176,10 @@ def fp8_plan(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, choice
     shares them)."""
     import time
 
-    from backend.tokenizer import Tokenizer
-
     from backend.build.fp8_choice import PROBE_PROMPTS
 
     t0 = time.time()
-    tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
-                    ck.config.bos_token_id, ck.tokenizer.add_bos_token)
-    prompts = calibration_prompts(tok, CALIBRATION_PROMPTS + PROBE_PROMPTS)   # prefix: calibration_prompts(tok)
+    prompts = checkpoint_prompts(ck, tokenizer_json, CALIBRATION_PROMPTS + PROBE_PROMPTS)   # prefix: the default
     act = calibrate(ck, prompts[:CALIBRATION_PROMPTS], max_seq_len)
     log(f"FP8 activation scales calibrated on {CALIBRATION_PROMPTS} prompts in {time.time() - t0:.1f}s")
     return (act, *choose_recipe(ck, prompts[CALIBRATION_PROMPTS:], max_seq_len, act, log, choice))

@@ -58,13 +58,10 @@ def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: di
 
 def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None,
                head_fc=None, features: tuple[int, ...] = ()) -> dict:
-    from backend.build.torch_engine import calibrate, calibration_prompts
-    from backend.tokenizer import Tokenizer
+    from backend.build.torch_engine import calibrate, checkpoint_prompts
 
     t0 = time.time()
-    tok = Tokenizer(tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids, ck.config.bos_token_id,
-                    ck.tokenizer.add_bos_token)
-    prompts = calibration_prompts(tok)
+    prompts = checkpoint_prompts(ck, tokenizer_json)
     act = calibrate(ck, prompts, max_seq_len, head=head, head_fc=head_fc, features=features)
     log(f"FP8 activation scales of {(head or ck).source} calibrated on {len(prompts)} prompts in "
         f"{time.time() - t0:.1f}s")

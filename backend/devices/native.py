@@ -53,14 +53,11 @@ class NativeBackend(EngineBackend):
 
         if ctx.wide_activations is not None:
             return ctx.wide_activations, {"wide": list(ctx.wide_activations), "chosen_by": "--wide-activations"}
-        from backend.build.torch_engine import calibration_prompts
+        from backend.build.torch_engine import checkpoint_prompts
         from backend.runtime.native import NativeRuntime
-        from backend.tokenizer import Tokenizer
 
         ck = ctx.ck
-        tok = Tokenizer(ctx.tokenizer_json, ck.tokenizer.chat_template, ck.config.eos_token_ids,
-                        ck.config.bos_token_id, ck.tokenizer.add_bos_token)
-        prompts = calibration_prompts(tok, wide_choice.PROBE_PROMPTS, wide_choice.PROBE_TOKENS)
+        prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide_choice.PROBE_PROMPTS, wide_choice.PROBE_TOKENS)
         rt = NativeRuntime(path, ck.config, ck.config.num_layers, wide_choice.PROBE_TOKENS + 1,
                            RuntimeOptions(max_sequences=1))
         try:
