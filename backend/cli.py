@@ -52,7 +52,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wide-activations", default="auto",
                    help="gguf engines: the matrices whose inputs the native kernel takes as wide activations "
                         "(two int8 rows, ~14 bits) instead of int8: auto (the fewest that keep top-1 agreement "
-                        ">= 0.99 with all wide on the calibration prompts), none, all, or families by comma: "
+                        ">= 0.995 with all wide on the calibration prompts), none, all, or families by comma: "
                         "qkv, o, gate_up, down, lm_head (docs/building.md)")
     p.add_argument("--quiet", action="store_true")
 
