@@ -205,12 +205,19 @@ def test_tensorrt_engine_graph_is_transformers(family, built, arch):
     check_fp32(m, "fp32", arch, family(arch)[3])
 
 
+# transformers' linear names -> the native kernel's matrix families (runtime/native.WIDE_FAMILIES)
+FAMILY = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "o_proj": "o",
+          "gate_proj": "gate_up", "up_proj": "gate_up", "gate_up_proj": "gate_up", "down_proj": "down",
+          "lm_head": "lm_head"}
+
+
 @contextlib.contextmanager
-def native_numerics(hf):
+def native_numerics(hf, wide: tuple[str, ...] = ()):
     """transformers computing as the native engine does from float weights: every matrix (the
     embedding too) through Q8_0 blocks (engine_format.q8_blocks, what the engine stores), every
     linear's input quantized to int8 blocks of 32 as the kernel does (scale amax/127, round to
-    nearest even), keys and values through f16 (its KV cache) -> a copy of the model."""
+    nearest even; the families in `wide`: plus the residual's blocks, as wide activations),
+    keys and values through f16 (its KV cache) -> a copy of the model."""
     m = copy.deepcopy(hf)
     with torch.no_grad():
         for mod in m.modules():
@@ -219,11 +226,20 @@ def native_numerics(hf):
                 d32 = d.view(np.float16).astype(np.float32).repeat(32, axis=1)
                 mod.weight.copy_(torch.from_numpy(ints.astype(np.float32) * d32))
 
+    def blocks(xb):
+        d = xb.abs().amax(-1, keepdim=True) / 127
+        return torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d
+
     def q8(mod, args):
         xb = args[0].reshape(*args[0].shape[:-1], -1, 32)
-        d = xb.abs().amax(-1, keepdim=True) / 127
-        return ((torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(args[0].shape),)
-    hooks = [mod.register_forward_pre_hook(q8) for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+        return blocks(xb).reshape(args[0].shape),
+
+    def q8_wide(mod, args):
+        xb = args[0].reshape(*args[0].shape[:-1], -1, 32)
+        first = blocks(xb)
+        return (first + blocks(xb - first)).reshape(args[0].shape),
+    hooks = [mod.register_forward_pre_hook(q8_wide if FAMILY.get(name.rsplit(".", 1)[-1]) in wide else q8)
+             for name, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
     modeling = importlib.import_module(type(hf).__module__)
     eager = modeling.eager_attention_forward
     modeling.eager_attention_forward = lambda module, q, k, v, *a, **kw: eager(module, q, k.half().float(),
@@ -251,7 +267,7 @@ def test_native_engine_is_transformers_on_its_weights(family, built, arch):
     assert rel_err(prefill_logits(rt, 1, ids), hf_logits(hf, ids)) < 0.1
     rt.close()
     dec = spec_decoder(m, "gguf")
-    with native_numerics(hf) as same, torch.no_grad():
+    with native_numerics(hf, m.engine("gguf").wide_activations) as same, torch.no_grad():
         for prompt in LOSSLESS_PROMPTS:
             ref = same.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

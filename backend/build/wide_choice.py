@@ -75,11 +75,12 @@ def family_sizes(cfg) -> dict[str, int]:
             "lm_head": cfg.vocab_size * h}
 
 
-def choose(rt, prompts: list[list[int]], log) -> tuple[tuple[str, ...], dict]:
+def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) -> tuple[tuple[str, ...], dict]:
     """The wide families for the engine `rt` runs (runtime/native.py NativeRuntime; left with
-    none wide) and the report for the manifest."""
+    none wide) and the report for the manifest; each prompt cut to max_tokens (at most the
+    engine's positions)."""
     t0 = time.time()
-    probe = [np.asarray(p[:PROBE_TOKENS], np.int64) for p in prompts[:PROBE_PROMPTS]]
+    probe = [np.asarray(p[:max_tokens], np.int64) for p in prompts[:PROBE_PROMPTS]]
     families = tuple(WIDE_FAMILIES)
     rt.model.set_wide(families)
     reference = _top1(rt, probe)

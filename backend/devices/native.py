@@ -57,11 +57,11 @@ class NativeBackend(EngineBackend):
         from backend.runtime.native import NativeRuntime
 
         ck = ctx.ck
-        prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide_choice.PROBE_PROMPTS, wide_choice.PROBE_TOKENS)
-        rt = NativeRuntime(path, ck.config, ck.config.num_layers, wide_choice.PROBE_TOKENS + 1,
-                           RuntimeOptions(max_sequences=1))
+        tokens = min(wide_choice.PROBE_TOKENS, ctx.max_seq_len - 1)    # a tiny model's positions may be fewer
+        prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide_choice.PROBE_PROMPTS, tokens)
+        rt = NativeRuntime(path, ck.config, ck.config.num_layers, tokens + 1, RuntimeOptions(max_sequences=1))
         try:
-            wide, report = wide_choice.choose(rt, prompts, ctx.log)
+            wide, report = wide_choice.choose(rt, prompts, ctx.log, tokens)
         finally:
             rt.close()
         ctx.log(f"wide activations: {list(wide) or 'none'} ({report['positions']} positions, {report['seconds']}s)")
