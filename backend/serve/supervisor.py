@@ -7,7 +7,9 @@ watches the stub processes (children of tritonserver, /proc) every `poll_s` and 
 generation every `canary_s`; when a stub is gone or a zombie, or the canary gets no answer in
 time or says a stub is unhealthy, the event names the process, how it ended (signal or exit
 code, read from the zombie's /proc/<pid>/stat) and the last lines it wrote to its fault log
-(the stack dump of every thread on a fatal signal: triton_glue.enable_fault_log), and the whole
+(the stack dump of every thread on a fatal signal: triton_glue.enable_fault_log; where
+tritonserver itself aborted right after a stub's crash, before a poll saw the zombie, the stub
+is named from its fault log), and the whole
 server is killed (every open stream then ends at the
 client with a connection error at once, and readiness stops answering) and started again on the
 same ports. Deployments that run `tritonserver` themselves get the same canary as
@@ -77,7 +79,13 @@ class Supervisor:
         """(why the server needs a restart, or None; each dead model process's last lines)."""
         if self.server.proc is None or self.server.proc.poll() is not None:
             code = None if self.server.proc is None else self.server.proc.returncode
-            return f"tritonserver exited (code {code})", {}
+            # tritonserver may abort right after a stub's crash, before a poll saw the zombie
+            # (its status then goes with it); the stub's fault log still says it crashed
+            crashed = {name: self.server.last_lines(name, pid) for name, pid in sorted(self._pids.items())}
+            crashed = {name: lines for name, lines in crashed.items() if any("Fatal Python error" in x for x in lines)}
+            after = "".join(f" after model process {name} (pid {self._pids[name]}, a fatal error in its fault log) died"
+                            for name in crashed)
+            return f"tritonserver exited (code {code}){after}", crashed
         stubs = self.server.stubs()
         dead = sorted(n for n in self._expected if n not in stubs or stubs[n][1] in ("Z", "X"))
         if not dead:
