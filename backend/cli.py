@@ -102,22 +102,28 @@ def cmd_bench(args) -> int:
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens, draft_model=draft_name,
                       draft_width=args.draft_width, prompt_lookup_width=args.lookup_width,
                       eagle_gate=not args.no_eagle_gate)
-    # no prefix cache: the plain run of a prompt would fill it for the speculative run after it,
-    # flattering the ratio (the cache's own bench: specdec bench-prefix)
-    cfg = ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec, prefix_cache_mb=0)
+    # no prefix cache by default: the plain run of a prompt would fill it for the speculative run
+    # after it, flattering the ratio (the cache's own bench: specdec bench-prefix); with
+    # --prefix-cache every mode gets a decoder and a cache of its own, and all warm up alike
+    cache_mb = args.prefix_cache or 0
+    if cache_mb < 0:
+        from backend.errors import UserError
+
+        raise UserError(f"--prefix-cache must be >= 0 (MiB), got {cache_mb:g}")
+    cfg = ServeConfig(engine_dir=str(_engine_dir(args)), weight_format=args.format, spec=spec, prefix_cache_mb=cache_mb)
     prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
     kinds = [DrafterKind(kind) for kind, _, _ in drafters]
     out = Path(args.json) if args.json else None
-    if len(kinds) == 1:
+    if len(kinds) == 1 and not cache_mb:
         dec = make_decoder(cfg)
         spec_bench.run(dec, prompts, DrafterKind(kinds[0]), args.max_new_tokens, args.temperature,
                        args.num_draft_tokens, args.ignore_eos, out, warmup_passes=args.warmup_passes)
     else:
         plain, decoders = spec_bench.decoders_for(cfg, kinds)
         spec_bench.compare(plain, decoders, prompts, args.max_new_tokens, args.temperature, args.num_draft_tokens,
-                           args.ignore_eos, out, warmup_passes=args.warmup_passes)
+                           args.ignore_eos, out, warmup_passes=args.warmup_passes, prefix_cache_mb=cache_mb)
     return 0
 
 
@@ -330,6 +336,11 @@ def main(argv=None) -> int:
                    help="run the whole prompt set this many times through each drafter before "
                         "measuring (feeds drafters with history, suffix decoding; greedy or seeded, "
                         "the measured answers are then repeats of ones seen)")
+    p.add_argument("--prefix-cache", type=float, default=0, metavar="MB",
+                   help="give plain decoding and every drafter a decoder with its own prefix cache of "
+                        "MB MiB (as separate servers with the default prefix_cache_mb would have; "
+                        "default 0: none, every prompt prefilled in full); with --warmup-passes every "
+                        "mode's cache then holds the same prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")

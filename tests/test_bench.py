@@ -70,3 +70,30 @@ def test_prefix_cache_budget_from_parameter_environment_and_default(monkeypatch)
         monkeypatch.setenv("SPECDEC_PREFIX_CACHE_MB", bad)
         with pytest.raises(ValueError, match="prefix_cache_mb"):
             prefix_cache_mb({})
+
+
+def test_compare_with_prefix_caches_warms_every_mode_alike(manifest):
+    """`specdec bench --prefix-cache`: each mode its own decoder and cache; the warm-up pass runs
+    plain decoding too, so every mode's measured requests take the same cached prompt tokens, and
+    the outputs stay plain decoding's."""
+    from dataclasses import replace
+
+    from backend.bench import spec_bench
+    from backend.config import DrafterKind, ServeConfig
+    from backend.engine import make_decoder
+
+    cfg = ServeConfig(engine_dir=str(manifest.root), prefix_cache_mb=64)
+    plain, decs = spec_bench.decoders_for(cfg, [DrafterKind.SUFFIX, DrafterKind.PROMPT_LOOKUP])
+    prompts = load_prompts(PROMPTS)[:2]
+    result = spec_bench.compare(plain, decs, prompts, 12, ignore_eos=True, log=lambda *a: None,
+                                warmup_passes=1, prefix_cache_mb=64)
+    assert result["prefix_cache_mb"] == 64
+    cached = {k: (r["plain"]["cached_prompt_tokens"], r["spec"]["cached_prompt_tokens"])
+              for k, r in result["results"].items()}
+    first = cached["suffix"][0]
+    assert first > 0 and all(c == (first, first) for c in cached.values()), cached
+    assert all(r["all_identical_to_plain"] for r in result["results"].values())
+    cold = spec_bench.compare(make_decoder(replace(cfg, prefix_cache_mb=0)), {DrafterKind.SUFFIX: make_decoder(
+        replace(cfg, prefix_cache_mb=0))}, prompts, 12, ignore_eos=True, log=lambda *a: None, warmup_passes=1)
+    assert cold["plain"]["cached_prompt_tokens"] == cold["spec"]["cached_prompt_tokens"] == 0
+    assert [p["output_ids"] for p in cold["prompts"]] == [p["output_ids"] for p in result["results"]["suffix"]["prompts"]]

@@ -35,6 +35,7 @@ class RunResult:
     seconds: float
     ttft_s: float
     stats: SpecStats
+    cached: int = 0                 # prompt tokens the prefix cache gave (0 with the cache off)
 
     @property
     def tpot_s(self) -> float:
@@ -49,9 +50,11 @@ class Totals:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    cached: int = 0
 
     def add(self, r: RunResult) -> None:
         self.tokens += len(r.tokens)
+        self.cached += r.cached
         self.seconds += r.seconds
         self.ttft.append(r.ttft_s)
         self.tpot.append(r.tpot_s)
@@ -62,7 +65,7 @@ class Totals:
         return {"tokens_per_s": round(self.tokens / self.seconds, 3) if self.seconds else 0.0,
                 "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 "tpot_ms": round(1000 * sum(self.tpot) / n, 3),
-                "ttft_ms": round(1000 * sum(self.ttft) / n, 3)}
+                "ttft_ms": round(1000 * sum(self.ttft) / n, 3), "cached_prompt_tokens": self.cached}
 
 
 def run_one(decoder: SpecDecoder, ids: list[int], params: SamplingParams, drafter: DrafterKind,
@@ -119,9 +122,12 @@ def _format(tok) -> str:
 
 def compare(plain_decoder: SpecDecoder, decoders: dict[DrafterKind, SpecDecoder], prompts: list[dict],
             max_new_tokens: int, temperature: float = 0.0, num_draft_tokens: int | None = None,
-            ignore_eos: bool = False, out_json: Path | None = None, log=print, warmup_passes: int = 0) -> dict:
+            ignore_eos: bool = False, out_json: Path | None = None, log=print, warmup_passes: int = 0,
+            prefix_cache_mb: float = 0) -> dict:
     """Plain decoding and each drafter (its own decoder: its own drafter state and controller)
-    on every prompt, time-sliced (`run_sliced`). The warm-up
+    on every prompt, time-sliced (`run_sliced`). With `prefix_cache_mb` each decoder has its own
+    prefix cache (as separate servers would) and the warm-up passes run plain decoding too, so
+    every mode's cache has seen the same requests. The warm-up
     is a prompt outside the set (a drafter with history, suffix decoding, must not have seen a
     measured prompt's answer); `warmup_passes` then runs the whole set that many times through
     each drafter unmeasured: greedy or seeded, that writes exactly the answers measured after it
@@ -134,7 +140,7 @@ def compare(plain_decoder: SpecDecoder, decoders: dict[DrafterKind, SpecDecoder]
     run_sliced(modes, prompt_ids(tok, WARMUP_MESSAGES), SamplingParams(max_tokens=16), num_draft_tokens, rng)
     for _ in range(warmup_passes):
         for item, ids in encoded:
-            run_sliced(decoders, ids, _params(item, temperature, max_new_tokens, ignore_eos), num_draft_tokens, rng)
+            run_sliced(modes if prefix_cache_mb else decoders, ids, _params(item, temperature, max_new_tokens, ignore_eos), num_draft_tokens, rng)
     runs: dict[DrafterKind, list[RunResult]] = {k: [] for k in modes}
     for item, ids in encoded:
         got = run_sliced(modes, ids, _params(item, temperature, max_new_tokens, ignore_eos), num_draft_tokens, rng)
@@ -155,6 +161,7 @@ def compare(plain_decoder: SpecDecoder, decoders: dict[DrafterKind, SpecDecoder]
             log(f"{pair:28s} tokens/s x{v['overall']:.3f}  " + "  ".join(f"{k} x{x:.3f}" for k, x in v["kinds"].items())
                 + f"   decode (1/TPOT) x{v['decode_overall']:.3f}  "
                 + "  ".join(f"{k} x{x:.3f}" for k, x in v["decode_kinds"].items()))
+    result["prefix_cache_mb"] = prefix_cache_mb
     if out_json:
         Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -193,7 +200,7 @@ def run_sliced(modes: dict[DrafterKind, SpecDecoder], ids: list[int], params: Sa
             stats[k] = out.stats
             if seq.finished:
                 live.remove(k)
-    return {k: RunResult(tokens[k], clock[k], first[k], stats[k]) for k in modes}
+    return {k: RunResult(tokens[k], clock[k], first[k], stats[k], seqs[k].cached_prompt_tokens) for k in modes}
 
 
 def decoders_for(cfg, kinds: list[DrafterKind]) -> tuple[SpecDecoder, dict[DrafterKind, SpecDecoder]]:
