@@ -46,9 +46,11 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="draft on a draft node: its tritonserver's gRPC host:port, or `local` for "
                         "this server's own (serve a node with `specdec build-draft-node`)")
     p.add_argument("--remote-draft-kind", default="draft-model", choices=["draft-model", "eagle"])
-    p.add_argument("--fp8-recipe", default="auto", choices=["auto"] + [r.name for r in FP8_RECIPES],
-                   help="FP8 engines: how weights and inputs are scaled; auto: the fastest recipe that "
-                        "meets the quality bar on the calibration prompts (docs/building.md)")
+    p.add_argument("--fp8-recipe", default="auto",
+                   choices=["auto"] + [n for r in FP8_RECIPES for n in (r.name, r.name + "+gptq")],
+                   help="FP8 engines: how weights and inputs are scaled (+gptq: weights rounded by GPTQ on "
+                        "the calibration prompts); auto: the fastest recipe that meets the quality bar on "
+                        "held-out calibration prompts, weights rounded by GPTQ (docs/building.md)")
     p.add_argument("--wide-activations", default="auto",
                    help="gguf engines: the matrices whose inputs the native kernel takes as wide activations "
                         "(two int8 rows, ~14 bits) instead of int8: auto (the fewest that keep top-1 agreement "

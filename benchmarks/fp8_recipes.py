@@ -7,8 +7,10 @@ instead of one repository per recipe. FP8 is emulated on a CPU, as `specdec qual
 
     python benchmarks/fp8_recipes.py [--target PATH|PACKAGE] [--diagnose] --json OUT.json
 
+Every recipe is measured twice: weights rounded to nearest, and by GPTQ on the calibration
+prompts' Hessians (`<name>+gptq`, build/fp8_gptq.py).
 --diagnose adds where the error comes from: each weight granularity with every input unquantized
-(weights alone), per-token inputs with fp32 weights (inputs alone), and channel-token with its
+(weights alone; to nearest and by GPTQ), per-token inputs with fp32 weights (inputs alone), and channel-token with its
 worst linears weight-only by the build's per-linear check (build/fp8_choice.py).
 Single-threaded torch: on a shared machine, spinning threads cost more than they give.
 """
@@ -43,6 +45,8 @@ def main() -> int:
     ap.add_argument("--prompts", default=default_prompts())
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--recipes", default=None,
+                    help="comma list of recipes to measure (default: each of runtime/fp8.RECIPES, and +gptq)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -59,12 +63,15 @@ def main() -> int:
         probe.append((np.asarray(full, np.int64), args.max_new_tokens,
                       quality._teacher_forced(ref_rt, full, args.max_new_tokens)))
     ref_rt.close()
-    act = torch_engine.calibrate(ck, torch_engine.calibration_prompts(tok), 1024)
+    act = torch_engine.calibrate(ck, torch_engine.calibration_prompts(tok, torch_engine.FP8_CALIBRATION_PROMPTS), 1024,
+                                 hessians=True)
     results = {"bf16": _score(rt(torch_engine._tensors(ck, WeightFormat.BF16, n, None)), probe)}
     print("bf16", results["bf16"], flush=True)
-    for rec in fp8.RECIPES:
-        results[rec.name] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
-        print(rec.name, results[rec.name], flush=True)
+    recipes = [fp8.recipe(r.strip()) for r in args.recipes.split(",")] if args.recipes else \
+        [v for r in fp8.RECIPES for v in (r, r.with_gptq())]            # nearest, then GPTQ rounding
+    for rec in recipes:
+        results[rec.label] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
+        print(rec.label, results[rec.label], flush=True)
     out = {"target": args.target or "embedded default", "source": ck.source, "prompts": args.prompts,
            "positions": sum(m for _, m, _ in probe), "bar": fp8_choice.BAR, "results": results,
            "command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
@@ -100,10 +107,12 @@ def _diagnose(ck, rt, probe, act) -> dict:
     n = ck.config.num_layers
     linears = [f"layers.{i}.{k}" for i in range(n) for k in torch_engine.FUSED]
     d = {}
-    for name, block in GRANULARITIES.items():           # weights alone
-        rec = fp8.Recipe("weights", block, "token").with_weight_only(linears)
-        d[f"weights alone, {name}"] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
-        print(name, d[f"weights alone, {name}"], flush=True)
+    for name, block in GRANULARITIES.items():           # weights alone, to nearest and by GPTQ
+        for gptq in (False, True):
+            rec = fp8.Recipe("weights", block, "token", gptq=gptq).with_weight_only(linears)
+            key = f"weights alone, {name}" + (", GPTQ" if gptq else "")
+            d[key] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
+            print(key, d[key], flush=True)
     inputs = rt(torch_engine._tensors(ck, WeightFormat.FP32, n, None))     # inputs alone, per token
     for name, lin in inputs.model.linears().items():
         lin.qin, lin.recipe, lin.act_scale = True, fp8.recipe("channel-token"), act.get(f"{name}.act_scale")

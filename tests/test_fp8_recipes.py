@@ -63,6 +63,58 @@ def test_block_scales_confine_an_outlier():
     assert float(per_channel[5, 128:].mean()) > 5 * float(hit[5, 128:].mean())    # the whole row pays
 
 
+def _gptq_reference(w, h, rec):
+    """GPTQ as the paper writes it, one column at a time in float64 (no lazy blocks), act order,
+    the recipe's scales from the unrounded weights: the E4M3 values it picks, [N, K]."""
+    w, h = w.double().clone(), h.double().clone()
+    k = w.shape[1]
+    full = fp8._expand(fp8._scale(fp8._amax_blocks(w.float(), rec.weight_block), rec.pow2), tuple(w.shape),
+                       rec.weight_block).double()
+    order = torch.argsort(torch.diagonal(h), descending=True)
+    w, h, full = w[:, order], h[order][:, order], full[:, order]
+    h += 0.01 * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    q = torch.empty_like(w)
+    for j in range(k):
+        s = full[:, j]
+        q[:, j] = (w[:, j] / s).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * s
+        err = (w[:, j] - q[:, j]) / u[j, j]
+        w[:, j:] -= err[:, None] * u[j, j:][None]
+    return q[:, torch.argsort(order)]
+
+
+@pytest.mark.parametrize("name", ["channel-token", "block128", "g32-token"])
+def test_gptq_rounding_keeps_the_format_and_lowers_the_output_error(name):
+    """The same E4M3 codes' layout and scales as rounding to nearest; the textbook algorithm's
+    values (one column at a time, float64) but for float rounding at a few ties; and a smaller
+    output error on the inputs its Hessian came from, and on fresh inputs of the same law."""
+    from backend.build import fp8_gptq
+
+    rec = fp8.recipe(name + "+gptq")
+    assert rec.gptq and rec.label == f"{name}+gptq" and fp8.Recipe.from_json(rec.to_json()) == rec
+    g = torch.Generator().manual_seed(5)
+    mix = torch.randn(160, 160, generator=g) / 160 ** 0.5 + torch.eye(160)    # correlated inputs
+    x = (torch.randn(2000, 160, generator=g) * torch.linspace(0.2, 3, 160)) @ mix
+    fresh = (torch.randn(2000, 160, generator=g) * torch.linspace(0.2, 3, 160)) @ mix
+    w = torch.randn(200, 160, generator=g)
+    h = x.T @ x
+    q, s = fp8_gptq.quantize_weight(w, rec, h)
+    q0, s0 = fp8.quantize_weight(w, rec)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == q0.shape and torch.equal(s, s0)
+    d, d0 = fp8.dequantize_weight(q, s, rec), fp8.dequantize_weight(q0, s0, rec)
+    ref = _gptq_reference(w, h, rec)
+    assert float(torch.isclose(d.double(), ref, rtol=1e-5, atol=0).float().mean()) > 0.99
+    err = lambda m, inp: float(((inp @ (m - w).T) ** 2).sum() / ((inp @ w.T) ** 2).sum()) ** 0.5
+    assert err(d, x) < 0.7 * err(d0, x) and err(d, fresh) < 0.8 * err(d0, fresh)
+    assert float((d - w).norm() / w.norm()) < 0.08          # still close to the weights themselves
+    dead = h.clone()
+    dead[:, 7] = dead[7, :] = 0                             # an input never seen: its weights go to 0
+    qd, _ = fp8_gptq.quantize_weight(w, rec, dead)
+    assert not torch.any(qd.float()[:, 7])
+    with pytest.raises(ValueError, match="gptq"):
+        fp8.recipe("block128+awq")
+
+
 @pytest.mark.parametrize("name", ["channel-tensor", "channel-token"])
 def test_the_scaled_mm_path_equals_the_emulation(name):
     """Linear's torch._scaled_mm path (row-wise scales, also on this CPU's torch) against the
@@ -83,7 +135,8 @@ def test_the_scaled_mm_path_equals_the_emulation(name):
 
 def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
     """Recipes in order, then the best two with their worst linears weight-only (an eighth, a
-    quarter); missing the bar, the best measured, and the report says so."""
+    quarter, all); missing the bar, the best measured, and the report says so; GPTQ rounding
+    where the calibration holds Hessians."""
     from types import SimpleNamespace
 
     from backend.build import fp8_choice
@@ -104,7 +157,7 @@ def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
     rec, report = fp8_choice.choose(ck, [[1]], 64, {}, lambda *a: None)
     assert rec.label == "channel-token+wo4" and set(rec.weight_only) == set(linears[-4:])   # the worst 4
     fallbacks = [t["recipe"] for t in report["measured"]][len(fp8.RECIPES):]
-    assert fallbacks == ["channel-tensor+wo4", "channel-tensor+wo8", "channel-token+wo4"]
+    assert fallbacks == ["channel-tensor+wo4", "channel-tensor+wo8", "channel-tensor+wo32", "channel-token+wo4"]
     monkeypatch.setattr(fp8_choice, "measure", fake(lambda r: False))
     rec, report = fp8_choice.choose(ck, [[1]], 64, {}, lambda *a: None)
     assert not report["meets_bar"] and rec.name == "channel-tensor"        # the best measured, first of ties
@@ -113,12 +166,18 @@ def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
                                                                            "kl_mean": kl.get(rec.name, 0.03)})
     rec, report = fp8_choice.choose(ck, [[1]], 64, {}, lambda *a: None)
     fallbacks = [t["recipe"] for t in report["measured"]][len(fp8.RECIPES):]
-    assert fallbacks == ["block128+wo4", "block128+wo8", "g32-token+wo4", "g32-token+wo8"] and rec.label == "block128"
+    assert fallbacks == ["block128+wo4", "block128+wo8", "block128+wo32", "g32-token+wo4", "g32-token+wo8",
+                         "g32-token+wo32"] and rec.label == "block128"
+    # a calibration with the linears' Hessians: every candidate's weights rounded by GPTQ
+    monkeypatch.setattr(fp8_choice, "measure", fake(lambda r: r.name == "channel-token" and r.gptq))
+    rec, report = fp8_choice.choose(ck, [[1]], 64, {"layers.0.qkv.hessian": None}, lambda *a: None)
+    assert rec == fp8.recipe("channel-token+gptq") and report["meets_bar"]
+    assert [t["recipe"] for t in report["measured"]] == ["channel-tensor+gptq", "channel-token+gptq"]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A tiny target with FP8 chosen by the build (cuda), and block128 forced on both devices."""
+    """A tiny target with FP8 chosen by the build (cuda), and block128+gptq forced on both devices."""
     from backend.build.pipeline import BuildConfig, build
     from backend.manifest import Device, WeightFormat
 
@@ -127,10 +186,10 @@ def built(tmp_path_factory):
     kw = dict(target=str(ckpt), quiet=True, weights=(WeightFormat.FP32, WeightFormat.FP8), measure_costs=False,
               check_invariance=False)
     auto = build(BuildConfig(output=d / "auto", device=Device.CUDA, **kw))
-    cuda = build(BuildConfig(output=d / "cuda", device=Device.CUDA, extra={"fp8_recipe": "block128"}, **kw))
+    cuda = build(BuildConfig(output=d / "cuda", device=Device.CUDA, extra={"fp8_recipe": "block128+gptq"}, **kw))
     env = device_env("tensorrt")
     try:
-        trt = build(BuildConfig(output=d / "trt", device=Device.TENSORRT, extra={"fp8_recipe": "block128"}, **kw))
+        trt = build(BuildConfig(output=d / "trt", device=Device.TENSORRT, extra={"fp8_recipe": "block128+gptq"}, **kw))
     finally:
         env.undo()
     return auto, cuda, trt
@@ -193,7 +252,7 @@ def test_an_engine_file_of_before_recipes_still_loads(built, tmp_path):
 
 
 def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
-    """block128 on both devices: the same float8 bits and scales (q's multiplier folded into the
+    """block128 with GPTQ rounding on both devices: the same float8 bits (not nearest rounding's) and scales (q's multiplier folded into the
     graph's scales), blocked DequantizeLinear, per-group input quantization in the graph, and
     logits that agree (the graph keeps embedding, norms and LM head in float32, the torch file
     in bf16)."""
@@ -201,19 +260,24 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
     from onnx import numpy_helper
     from safetensors.torch import load_file
 
+    from backend.build.checkpoint import load_checkpoint
     from backend.build.torch_engine import FUSED
     from backend.devices import load_runtime
 
     _, cuda, trt = built
-    assert cuda.engines["fp8"].fp8["recipe"] == trt.engines["fp8"].fp8["recipe"] == fp8.recipe("block128").to_json()
+    assert cuda.engines["fp8"].fp8["recipe"] == trt.engines["fp8"].fp8["recipe"] == fp8.recipe("block128+gptq").to_json()
     t = load_file(str(cuda.resolve(cuda.engine("fp8").path)))
     g = onnx.load(str(trt.resolve(trt.engine("fp8").path)))
     init = {i.name: i for i in g.graph.initializer}
     cfg = cuda.model
     nq = cfg.num_heads * cfg.head_dim
+    ck = load_checkpoint(cuda.source)
+    moved = 0
     for i in range(cfg.num_layers):
         for key, parts in FUSED.items():
             w8 = torch.cat([t[f"layers.{i}.{n}"] for n in parts]).view(torch.uint8).numpy()
+            w = torch.cat([torch.from_numpy(np.array(ck.tensors[f"layers.{i}.{n}"].float32())) for n in parts])
+            moved += int((fp8.quantize_weight(w, fp8.recipe("block128"))[0].view(torch.uint8).numpy() != w8).sum())
             raw = init[f"l{i}.{key}.wT_fp8"]
             assert np.array_equal(np.frombuffer(raw.raw_data, np.uint8).reshape(raw.dims).T, w8), (i, key)
             s = numpy_helper.to_array(init[f"l{i}.{key}.w_scale"])              # [ceil(K/128), N]
@@ -221,6 +285,7 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
             if key == "qkv":
                 want[:, :nq] *= cfg.scale
             assert np.allclose(s, want, rtol=1e-7, atol=0), (i, key)
+    assert moved > 0                              # GPTQ's codes, not rounding to nearest's
     ops = [n.op_type for n in g.graph.node]
     blocked = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and
                any(a.name == "block_size" and a.i == 128 for a in n.attribute)]

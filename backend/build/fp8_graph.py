@@ -29,12 +29,17 @@ from backend.runtime import fp8
 
 
 def fp8_linear(g, x: str, name: str, w: np.ndarray, rec: fp8.Recipe, act_scale: float | None,
-               quantize_input: bool, row_scale: np.ndarray | None = None) -> str:
-    """x [B, T, K] @ w.T, w [N, K] float32 quantized by `rec`; `row_scale` [N]: each output's
-    multiplier, folded into the dequantization (graph.py's q scale)."""
+               quantize_input: bool, row_scale: np.ndarray | None = None, calibration: dict | None = None,
+               linear: str = "") -> str:
+    """x [B, T, K] @ w.T, w [N, K] float32 quantized by `rec` (GPTQ's rounding where the recipe
+    says so, on `calibration`'s Hessian of `linear`: torch_engine.quantize_fp8, the torch
+    runtime's bits); `row_scale` [N]: each output's multiplier, folded into the dequantization
+    (graph.py's q scale)."""
     import torch
 
-    q, scale = fp8.quantize_weight(torch.from_numpy(np.array(w, np.float32)), rec)
+    from backend.build.torch_engine import quantize_fp8
+
+    q, scale = quantize_fp8(torch.from_numpy(np.array(w, np.float32)), rec, calibration, linear)
     bits = q.T.contiguous().view(torch.uint8).numpy()                             # [K, N]
     g.inits.append(helper.make_tensor(f"{name}.wT_fp8", TensorProto.FLOAT8E4M3FN, list(bits.shape),
                                       bits.tobytes(), raw=True))

@@ -120,7 +120,7 @@ class _Linear:
 
         act = self.act_scales.get(f"{linear}.act_scale")
         quantize = self.recipe.quantizes_input(linear) and (act is not None or not self.recipe.static)
-        return fp8_linear(self.g, x, name, w, self.recipe, act, quantize, row_scale)
+        return fp8_linear(self.g, x, name, w, self.recipe, act, quantize, row_scale, self.act_scales, linear)
 
     def __call__(self, x: str, name: str, w, bias: np.ndarray | None = None,
                  row_scale: np.ndarray | None = None) -> str:

@@ -16,7 +16,8 @@ weight-only. Every scale is amax / 448 over its block (448: E4M3's largest finit
 
 `weight_only`: linears ("layers.<i>.<qkv|o|gate_up|down>") whose weights are FP8 by the recipe
 but whose input stays in the compute dtype (the build's per-linear check sends the linears that
-lose most there). Embedding, norms and LM head are never FP8 (build/torch_engine.py).
+lose most there). `gptq`: the weights' codes were rounded by GPTQ on calibration inputs
+(build/fp8_gptq.py) instead of to nearest: the same layout, so nothing here reads it. Embedding, norms and LM head are never FP8 (build/torch_engine.py).
 
 A weight's scale is stored [ceil(N / rows), ceil(K / cols)] (per channel: [N, 1]), computed on
 the fused matrix the runtime multiplies (q|k|v, gate|up), so the torch runtime, the engine graph
@@ -48,6 +49,7 @@ class Recipe:
     group: int = 0                    # columns of an input group ("group")
     pow2: bool = False                # scales rounded up to powers of two (MX's E8M0)
     weight_only: tuple[str, ...] = ()   # linears whose input is not quantized
+    gptq: bool = False                # weights rounded by GPTQ (build/fp8_gptq.py), not to nearest
 
     INPUTS = ("tensor", "token", "group")
 
@@ -66,19 +68,22 @@ class Recipe:
     def with_weight_only(self, linears) -> "Recipe":
         return dataclasses.replace(self, weight_only=tuple(sorted(linears, key=_linear_order)))
 
+    def with_gptq(self, on: bool = True) -> "Recipe":
+        return dataclasses.replace(self, gptq=on)
+
     @property
     def label(self) -> str:
-        """The name, with the weight-only linears counted ("block128+wo3")."""
-        return self.name + (f"+wo{len(self.weight_only)}" if self.weight_only else "")
+        """The name, with GPTQ rounding and the weight-only linears counted ("block128+gptq+wo3")."""
+        return self.name + ("+gptq" if self.gptq else "") + (f"+wo{len(self.weight_only)}" if self.weight_only else "")
 
     def to_json(self) -> dict:
         return {"name": self.name, "weight_block": list(self.weight_block), "inputs": self.inputs,
-                "group": self.group, "pow2": self.pow2, "weight_only": list(self.weight_only)}
+                "group": self.group, "pow2": self.pow2, "weight_only": list(self.weight_only), "gptq": self.gptq}
 
     @classmethod
     def from_json(cls, d: dict) -> "Recipe":
         return cls(d["name"], tuple(d["weight_block"]), d["inputs"], d.get("group", 0), d.get("pow2", False),
-                   tuple(d.get("weight_only", ())))
+                   tuple(d.get("weight_only", ())), d.get("gptq", False))
 
 
 RECIPES = (Recipe("channel-tensor", (1, 0), "tensor"),
@@ -92,9 +97,11 @@ LEGACY = BY_NAME["channel-tensor"]
 
 
 def recipe(name: str) -> Recipe:
-    if name not in BY_NAME:
-        raise ValueError(f"unknown FP8 recipe {name!r}; known: {', '.join(BY_NAME)}")
-    return BY_NAME[name]
+    """A recipe by name; "<name>+gptq": its weights rounded by GPTQ."""
+    base, plus, extra = name.partition("+")
+    if base not in BY_NAME or (plus and extra != "gptq"):
+        raise ValueError(f"unknown FP8 recipe {name!r}; known: {', '.join(BY_NAME)} (each also as <name>+gptq)")
+    return BY_NAME[base].with_gptq(bool(plus))
 
 
 def _linear_order(name: str):
