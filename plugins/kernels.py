@@ -335,6 +335,45 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: 
 
 
 @triton.jit
+def _round_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), as float32: torch's rounding, done
+    in integer bits (the interpreter's float32 -> bf16 cast truncates; finite inputs only)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def linear_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, ssn, sym, SR, SC,
+                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """linear_kernel with FP8 E4M3 weights (weight-only, W8A16): w[N, K] float8 and its block
+    scales s[ceil(N / SR), ceil(K / SC)] (float32); each weight tile is dequantized in float32,
+    rounded to bf16 (the values the emulated path's bf16 weights hold) and multiplied as
+    linear_kernel does, so a row's bits are linear_kernel's on those weights: the weights cross
+    memory as one byte each."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        wmask = (rn[None, :] < N) & (kk[:, None] < K)
+        q = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=wmask, other=0.0)
+        sc = tl.load(s_ptr + (rn[None, :] // SR) * ssn + kk[:, None] // SC, mask=wmask, other=0.0)
+        b = _round_bf16(q.to(tl.float32) * sc)          # bf16 values, held in float32
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
     """One row: x / sqrt(mean(x^2) + eps) in float32, rounded to the output dtype, times w
     (runtime/torch_model.py TorchModel._rmsnorm's numbers)."""
@@ -373,6 +412,26 @@ def linear(x, w, bias=None):
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
         BLOCK_K=LINEAR_BLOCK_K)
+    return y
+
+
+def linear_w8(x, w8, scale, block: tuple[int, int], bias=None):
+    """Launch linear_w8_kernel: x [M, K] (bf16), w8 [N, K] float8 E4M3, scale [ceil(N / r),
+    ceil(K / c)] float32 for weight blocks `block` = (r, c) (c 0: a whole row, runtime/fp8.py),
+    bias [N] or None -> [M, N] in x's dtype; the tiles and dots of `linear`."""
+    import torch
+
+    m, k = x.shape
+    n = w8.shape[0]
+    assert w8.shape[1] == k and w8.stride(1) == 1 and w8.dtype == torch.float8_e4m3fn, (x.shape, w8.shape, w8.dtype)
+    scale = scale.float().contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bn = linear_block_n(n)
+    linear_w8_kernel[(triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn))](
+        x, w8, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), w8.stride(0), scale.stride(0),
+        y.stride(0), block[0], block[1] or k, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(),
+        BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K)
     return y
 
 
@@ -491,7 +550,13 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
            "IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
     norm = {"x_ptr": f"*{kv_dtype}", "w_ptr": f"*{kv_dtype}", "y_ptr": f"*{kv_dtype}", "H": "i32", "sx": "i32",
             "sy": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+    w8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+          "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "ssn": "i32", "sym": "i32", "SR": "i32", "SC": "i32",
+          "HAS_BIAS": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+          "BLOCK_K": "constexpr"}
     return {
+        "linear_w8": (linear_w8_kernel, w8, {"HAS_BIAS": False, "IEEE": False, "BLOCK_M": LINEAR_BLOCK_M,
+                                             "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}),
         "linear": (linear_kernel, lin, {"HAS_BIAS": True, "IEEE": kv_dtype == "fp32", "BLOCK_M": LINEAR_BLOCK_M,
                                         "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}),
         "rmsnorm": (rmsnorm_kernel, norm, {"BLOCK": 4096}),      # a Llama-3-8B row

@@ -125,7 +125,8 @@ def test_verify_compiles_to_ptx_for_sm90():
     assert _compiles("verify")
 
 
-@pytest.mark.parametrize("name,kv_dtype", [("linear", "bf16"), ("linear", "fp32"), ("rmsnorm", "bf16")])
+@pytest.mark.parametrize("name,kv_dtype", [("linear", "bf16"), ("linear", "fp32"), ("rmsnorm", "bf16"),
+                                           ("linear_w8", "bf16")])
 def test_the_invariant_linear_and_norm_compile_to_ptx_for_sm90(name, kv_dtype):
     assert _compiles(name, kv_dtype=kv_dtype)
 
@@ -159,6 +160,26 @@ def test_linear_and_rmsnorm_match_torch_and_a_rows_bits_do_not_depend_on_m(dtype
         assert torch.equal(K.rmsnorm(x[:m], nw, 1e-6), normed[:m])
     heads = x.view(37, 8, 25)[:, :4]                     # q/k norms per head: a strided view
     assert torch.equal(K.rmsnorm(heads, nw[:25], 1e-6), K.rmsnorm(heads.contiguous(), nw[:25], 1e-6))
+
+
+@pytest.mark.parametrize("block", [(1, 0), (128, 128), (1, 32)], ids=["channel", "128x128", "1x32"])
+def test_the_weight_only_fp8_linear_is_the_linear_of_the_dequantized_weights(block):
+    """linear_w8 (W8A16: FP8 weights and their block scales read by the kernel): the bits of
+    `linear` on the bf16 weights the emulated path dequantizes to (runtime/fp8.py), at every M."""
+    from backend.runtime import fp8
+
+    g = torch.Generator().manual_seed(6)
+    k, n = 200, 150                      # ragged against the tiles and the 128 x 128 blocks
+    rec = fp8.Recipe("w8", block, "token")
+    q, s = fp8.quantize_weight(torch.randn(n, k, generator=g) * torch.linspace(0.1, 4, k), rec)
+    w = fp8.dequantize_weight(q, s, rec).to(torch.bfloat16)
+    x = torch.randn(37, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    q, s, w, x, b = (t.to(DEV) for t in (q, s, w, x, b))
+    got = K.linear_w8(x, q, s, block, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, K.linear(x, w, b))
+    for m in (1, 5):
+        assert torch.equal(K.linear_w8(x[:m], q, s, block), K.linear(x[:m], w))
 
 
 def test_the_plugin_kernels_match_the_references_and_the_runtime_kernels():
@@ -199,9 +220,9 @@ def test_the_plugin_kernels_compile_to_ptx_for_sm90_under_48k_shared(name):
     assert _compiles(name, plugin=True)
 
 
-def _runtime_on_random_weights(dtype, invariant: bool):
+def _runtime_on_random_weights(dtype, invariant: bool, recipe=None):
     """A two-layer Llama-shaped TorchRuntime with attention by the kernel and (invariant) the
-    linears, LM head and norms by the fixed-tile kernels."""
+    linears, LM head and norms by the fixed-tile kernels; `recipe`: its layer linears in FP8."""
     from backend.config import RuntimeOptions
     from backend.manifest import ModelConfig
     from backend.runtime.torch_rt import TorchRuntime
@@ -215,8 +236,17 @@ def _runtime_on_random_weights(dtype, invariant: bool):
                   f"layers.{i}.q": rnd(64, 64), f"layers.{i}.k": rnd(32, 64), f"layers.{i}.v": rnd(32, 64),
                   f"layers.{i}.o": rnd(64, 64), f"layers.{i}.gate": rnd(96, 64), f"layers.{i}.up": rnd(96, 64),
                   f"layers.{i}.down": rnd(64, 96)})
+    if recipe is not None:
+        from backend.build.torch_engine import FUSED
+        from backend.runtime import fp8
+
+        for i in range(2):
+            for key, parts in FUSED.items():
+                names = [f"layers.{i}.{n}" for n in parts]
+                q, t[f"layers.{i}.{key}.w_scale"] = fp8.quantize_weight(torch.cat([t[n].float() for n in names]), recipe)
+                t.update(zip(names, q.split([t[n].shape[0] for n in names])))
     rt = TorchRuntime(None, cfg, 2, 256, RuntimeOptions(max_sequences=4, cuda_graphs=False), DEV,
-                      tensors={k: v.to(DEV) for k, v in t.items()}, dtype=dtype)
+                      tensors={k: v.to(DEV) for k, v in t.items()}, dtype=dtype, fp8_recipe=recipe)
     rt.kernels = True
     rt.model.invariant = invariant
     return rt
@@ -249,3 +279,27 @@ def test_the_invariant_runtime_verifies_with_the_bits_of_single_steps(dtype):
                         np.arange(9, 15)[None]).logits[0]
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert np.abs(np.asarray(ref) - np.stack(single)).max() < tol * max(1.0, np.abs(np.asarray(ref)).max())
+
+
+@pytest.mark.parametrize("name", ["g32-token", "block128"])
+def test_weight_only_fp8_linears_run_the_w8_kernel_with_the_bits_of_their_dequantized_weights(name):
+    """A recipe with every linear weight-only (the build's W8A16 fallback) in the invariant mode:
+    the linears read their FP8 codes through kernels.linear_w8 (their bf16 weights are never
+    made), and the logits are, bit for bit, those of the same linears through kernels.linear
+    on the dequantized weights."""
+    from backend.build.torch_engine import FUSED
+    from backend.runtime import fp8
+
+    rec = fp8.recipe(name).with_weight_only([f"layers.{i}.{k}" for i in range(2) for k in FUSED])
+    rt = _runtime_on_random_weights(torch.bfloat16, invariant=True, recipe=rec)
+    ids = np.random.default_rng(4).integers(3, 128, (1, 11))
+    chain = np.arange(-1, 10, dtype=np.int32)[None]
+    rt.alloc(0)
+    w8 = np.asarray(rt.forward([0], ids, chain, np.arange(11)[None]).logits[0]).copy()
+    linears = rt.model.linears()
+    assert len(linears) == 8 and all(lin.wq is not None and lin._w is None and lin.kernel for lin in linears.values())
+    for lin in linears.values():
+        assert lin.w.dtype == torch.bfloat16         # dequantized now, and the kernel path dropped
+        lin.wq = None
+    rt.alloc(1)
+    assert np.array_equal(np.asarray(rt.forward([1], ids, chain, np.arange(11)[None]).logits[0]), w8)

@@ -19,8 +19,11 @@ build/checkpoint.py, in one of three formats:
           per output channel "<name>.scale"), for the static recipe its calibrated input scale
           ".act_scale"; y = (q8(x / s_x) s_x) (W8 s_w)^T block by block. Where this GPU runs
           the recipe's scaled GEMM (probed at load against the emulation: hardware_fp8),
-          torch._scaled_mm runs it; elsewhere (CPU, older GPUs, MX scales on Hopper, the
-          weight-only linears) the same numbers are emulated in the compute dtype. The
+          torch._scaled_mm runs it; elsewhere (CPU, older GPUs, MX scales on Hopper) the same
+          numbers are emulated in the compute dtype. A weight-only linear (W8A16) runs
+          plugins/kernels.linear_w8 in the invariant mode (the GPU's: FP8 codes and scales read
+          by the kernel, the bits of the bf16 weights they stand for), else its weights
+          dequantized to the compute dtype. The
           embedding, norms and LM head stay bf16/fp32.
 Batch invariance (a verify of T tokens gives the bits of T single steps; a CUDA graph's padded
 bucket the bits of the eager step): on a GPU (`invariant`, the default there) every linear, the
@@ -115,6 +118,9 @@ class Linear:
         self.n = w.shape[0]
         self.bias = None if bias is None else bias.to(dtype)
         self.observe = None
+        self.dtype = dtype
+        self._w = None
+        self.wq = None                       # weight-only FP8: (codes, block scales), for kernels.linear_w8
         self.hw = _hw_kind(self.recipe) if self.qin and hw else None
         if self.hw == "rowwise":
             self.w8, self.w_scale = w, w_scale.float().view(1, -1)
@@ -122,12 +128,26 @@ class Linear:
             pn, pk = -w.shape[0] % 128, -w.shape[1] % 128       # scales already cover them)
             self.w8 = torch.nn.functional.pad(w.view(torch.uint8), (0, pk, 0, pn)).view(torch.float8_e4m3fn)
             self.w_scale = w_scale.float().t()     # [K/128, N/128], as cuBLAS's 128 x 128 scaling reads it
+        elif self.fp8 and not self.qin:
+            self.wq = (w, w_scale.float())   # dequantized on first use outside the kernel (self.w)
         elif self.fp8:
             self.w = fp8.dequantize_weight(w, w_scale, self.recipe).to(dtype)    # exact E4M3 values x scale
         else:
             self.w = w.to(dtype)
         self.pad = w.device.type == "cpu"
         self.kernel = False                  # plugins/kernels.linear (TorchModel.invariant sets it)
+
+    @property
+    def w(self) -> torch.Tensor | None:
+        """The weights in the compute dtype (a weight-only FP8 linear's: dequantized once, when a
+        path other than kernels.linear_w8 first needs them; None for the hardware FP8 GEMM's)."""
+        if self._w is None and self.wq is not None:
+            self._w = fp8.dequantize_weight(*self.wq, self.recipe).to(self.dtype)
+        return self._w
+
+    @w.setter
+    def w(self, value: torch.Tensor) -> None:
+        self._w = value
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observe is not None:
@@ -140,6 +160,8 @@ class Linear:
         if self.kernel:
             from plugins import kernels
 
+            if self.wq is not None:          # W8A16: the weights cross memory as float8
+                return kernels.linear_w8(x.to(self.dtype), *self.wq, self.recipe.weight_block, self.bias)
             return kernels.linear(x.to(self.w.dtype), self.w, self.bias)
         return linear_rows(x, self.w, self.bias, self.pad)
 
