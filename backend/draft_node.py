@@ -60,12 +60,14 @@ class DraftNode:
         self._ids = itertools.count()
         self._vocab: list[int] | None = None
         if hasattr(drafter, "on_vocab"):
-            self._vocab = [0, 0]
+            self._vocab = [0, 0, {}]
             drafter.on_vocab = self._count
 
-    def _count(self, drawn: int, outside: int) -> None:
+    def _count(self, drawn: int, outside: int, methods: dict | None = None) -> None:
         self._vocab[0] += drawn
         self._vocab[1] += outside
+        for m, n in (methods or {}).items():
+            self._vocab[2][m] = self._vocab[2].get(m, 0) + n
 
     def handle(self, request: dict, features: np.ndarray | None) -> dict:
         for key in request.get("released", ()):
@@ -89,7 +91,7 @@ class DraftNode:
                 out[j] = {"tokens": d.tokens[1:].tolist(), "parents": d.tree.parents.tolist()}
         if self._vocab is None:
             return {"rows": out}
-        counts, self._vocab = self._vocab, [0, 0]
+        counts, self._vocab = self._vocab, [0, 0, {}]
         return {"rows": out, "vocab": counts}
 
     def _sync(self, row: dict, feats: np.ndarray) -> Shadow | None:

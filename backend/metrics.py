@@ -34,6 +34,9 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
                                                   its own drew (locally or on a draft node),
                                                   outside="true" where no target token is its text
   specdec_draft_outside_vocab_share               gauge, the outside share of those, since start
+  specdec_draft_vocab_method_rows_total{method}   rows such a draft drafted by each method (slem: the
+                                                  draft's text re-encoded; tli: its distribution on the
+                                                  shared tokens), as its per-request choice picked
   specdec_prefix_cache_lookups_total{engine}      requests looked up in the prefix cache
                                                   (engine: target | draft-model)
   specdec_prefix_cache_hits_total{engine}         of them, requests that reused at least one block
@@ -90,6 +93,7 @@ class Metrics:
         self._fallbacks = c("specdec_remote_draft_fallbacks_total", "Rows drafted locally instead of on the node", lb)
         self._prefix: dict[str, tuple] = {}   # engine -> counters, gauges, counts published
         self._vocab = None                  # made at the first cross-vocabulary draft
+        self._methods: dict = {}            # cross-vocabulary rows by method, made at first use
 
     def _drafter(self, name: str):
         if name not in self._by_drafter:
@@ -167,8 +171,14 @@ class Metrics:
         if fallback_rows:
             self._fallbacks.increment(fallback_rows)
 
-    def on_vocab(self, drawn: int, outside: int) -> None:
-        """Draft tokens a cross-vocabulary draft drew this step, and those outside the intersection."""
+    def on_vocab(self, drawn: int, outside: int, methods: dict | None = None) -> None:
+        """Draft tokens a cross-vocabulary draft drew this step, those outside the intersection,
+        and its rows by method (SLEM / TLI)."""
+        for m, n in (methods or {}).items():
+            if m not in self._methods:
+                self._methods[m] = self.r.counter("specdec_draft_vocab_method_rows_total", "Rows a draft model "
+                                                  "with its own vocabulary drafted by each method", {**self.labels, "method": m})
+            self._methods[m].increment(n)
         if self._vocab is None:
             lb = self.labels
             self._vocab = (self.r.counter("specdec_draft_vocab_tokens_total", "Draft tokens drawn by a draft model "

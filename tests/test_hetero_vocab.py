@@ -553,6 +553,9 @@ def test_a_draft_node_serves_a_cross_vocabulary_draft(pair):
     inside, outside = (value("specdec_draft_vocab_tokens_total", outside=o) for o in ("false", "true"))
     assert inside + outside == node.drafter.drafted > 0 and outside == node.drafter.outside
     assert value("specdec_draft_outside_vocab_share") == node.drafter.outside / node.drafter.drafted
+    rows = {m: value("specdec_draft_vocab_method_rows_total", method=m) for m in node.drafter.method_rows
+            if node.drafter.method_rows[m]}
+    assert rows == node.drafter.method_rows and sum(rows.values()) > 0     # counted on the node, sent back
 
 
 # ============================================================================ (d) tiny checkpoints, built
@@ -648,5 +651,7 @@ def test_real_pair_served_end_to_end(tmp_path_factory):
         metrics = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
         drawn = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_tokens_total\{[^}]*\} (\S+)', metrics, re.M))
         assert drawn > 0 and "specdec_draft_outside_vocab_share" in metrics
+        rows = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_method_rows_total\{[^}]*\} (\S+)', metrics, re.M))
+        assert rows > 0
     finally:
         assert srv.stop() == 0

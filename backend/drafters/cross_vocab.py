@@ -21,7 +21,8 @@ tokens whose text the target committed; one more token is backed off and the new
 is encoded with the draft's tokenizer (so a word the target finished is the draft's own token
 again). A text that ends inside a UTF-8 character is not drafted from until it is complete.
 Counts: draft tokens drawn and those outside the intersection (the draft's own choice had no
-target token), reported through `on_vocab` (metrics).
+target token), and the rows drafted by each method (SLEM, TLI: MethodChoice's pick), reported
+through `on_vocab` (metrics).
 Knows: the vocabulary map, both tokenizers, the draft runtime. Does not know: Triton, the build.
 """
 from __future__ import annotations
@@ -76,8 +77,9 @@ class CrossVocabDrafter:
         self.first_pre[where[::-1]] = mapped[::-1]
         counts = np.bincount(where, minlength=self.union.size)
         self.many = {int(u): mapped[where == u] for u in np.flatnonzero(counts > 1)}   # several: the likeliest
-        self.on_vocab = lambda drafted, outside: None
+        self.on_vocab = lambda drafted, outside, methods=None: None
         self.drafted = self.outside = 0
+        self.method_rows: dict[str, int] = dict.fromkeys(methods, 0)   # rows drafted by each, since start
         self._s: dict[int, _Seq] = {}
 
     @classmethod
@@ -228,14 +230,18 @@ class CrossVocabDrafter:
                 live[i].forwards += 1
             live = {i: live[i] for i in step}
         drawn = outside = 0
+        methods: dict[str, int] = {}
         for i, row in made.items():
             drafts[i] = row.draft()
             st = self._s[seqs[i].seq_id]
             st.last = (row.method, row.forwards, row.seconds, drafts[i], len(st.ids))
             drawn, outside = drawn + row.drawn, outside + row.outside
+            methods[row.method] = methods.get(row.method, 0) + 1
         self.drafted += drawn
         self.outside += outside
-        self.on_vocab(drawn, outside)
+        for m, n in methods.items():
+            self.method_rows[m] = self.method_rows.get(m, 0) + n
+        self.on_vocab(drawn, outside, methods)
         return drafts
 
     # --- draws ------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class RemoteDrafter:
         self.fallback = fallback
         self.retry_s, self.retry_max_s = retry_s, retry_max_s
         self.on_call = on_call or (lambda outcome, seconds, fallback_rows: None)
-        self.on_vocab = lambda drawn, outside: None          # a node's draft tokens outside the vocabulary
+        self.on_vocab = lambda drawn, outside, methods=None: None   # a node's cross-vocabulary counts
         self._seqs: dict[int, _Sync] = {}
         self._released: list[str] = []
         self._down_until = 0.0
