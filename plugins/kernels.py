@@ -311,27 +311,50 @@ def verify_plugin_kernel(logits_ptr, tokens_ptr, parents_ptr, temp_ptr, topk_ptr
                     pos_ptr, nodes_ptr, out_ptr, num_ptr, T, R, V, R * V, V, BLOCK_T, BLOCK_V)
 
 
+@triton.jit
+def _tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A linear program's rows, columns, K offsets and float32 accumulator."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.arange(0, BLOCK_K), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _load_rows(x_ptr, rm, kk, sxm, M, K):
+    """x's [rows, K offsets] tile, zeros out of bounds."""
+    return tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a b: IEEE float32 dots (float32 inputs; bf16 ones in the interpreter, whose bf16 dot
+    is wrong), else bf16 tensor-core dots."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, rm, rn, M, N, sym, HAS_BIAS: tl.constexpr):
+    """The linears' epilogue: + bias, rounded to y's dtype, stored where in bounds."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M"])
 def linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr,
                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[M, N] = x[M, K] w[N, K]^T (+ b): one program per (BLOCK_M rows, BLOCK_N columns); the
     same tiles and K order for a row whatever M is (M not specialized on)."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rm, rn, rk, acc = _tile(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        a = _load_rows(x_ptr, rm, kk, sxm, M, K)
         b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if IEEE:                      # float32 inputs; bf16 ones in the interpreter (its bf16 dot is wrong)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc = _dot(a, b, acc, IEEE)
+    _store_rows(acc, b_ptr, y_ptr, rm, rn, M, N, sym, HAS_BIAS)
 
 
 @triton.jit
@@ -352,25 +375,15 @@ def linear_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, ssn, 
     rounded to bf16 (the values the emulated path's bf16 weights hold) and multiplied as
     linear_kernel does, so a row's bits are linear_kernel's on those weights: the weights cross
     memory as one byte each."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rm, rn, rk, acc = _tile(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        a = _load_rows(x_ptr, rm, kk, sxm, M, K)
         wmask = (rn[None, :] < N) & (kk[:, None] < K)
         q = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=wmask, other=0.0)
         sc = tl.load(s_ptr + (rn[None, :] // SR) * ssn + kk[:, None] // SC, mask=wmask, other=0.0)
-        b = _round_bf16(q.to(tl.float32) * sc)          # bf16 values, held in float32
-        if IEEE:
-            acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc = _dot(a, _round_bf16(q.to(tl.float32) * sc), acc, IEEE)     # bf16 values, held in float32
+    _store_rows(acc, b_ptr, y_ptr, rm, rn, M, N, sym, HAS_BIAS)
 
 
 @triton.jit
