@@ -107,7 +107,7 @@ def cmd_bench(args) -> int:
     # no prefix cache by default: the plain run of a prompt would fill it for the speculative run
     # after it, flattering the ratio (the cache's own bench: specdec bench-prefix); with
     # --prefix-cache every mode gets a decoder and a cache of its own, and all warm up alike
-    cache_mb = args.prefix_cache or 0
+    cache_mb = args.prefix_cache
     if cache_mb < 0:
         from backend.errors import UserError
 

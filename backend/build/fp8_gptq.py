@@ -31,10 +31,8 @@ BLOCK = 128          # columns updated together (lazy batch updates: the same re
 
 
 def _round(w: Tensor, s: Tensor) -> Tensor:
-    """w rounded to the E4M3 value nearest w / s, times s (float32)."""
-    import torch
-
-    return (w / s).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    """w rounded to the E4M3 value nearest w / s (fp8's cast), times s (float32)."""
+    return fp8._cast(w, s).float() * s
 
 
 def quantize_weight(w: Tensor, rec: fp8.Recipe, hessian: Tensor) -> tuple[Tensor, Tensor]:
