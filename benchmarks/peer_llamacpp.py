@@ -2,7 +2,8 @@
 """Peer benchmark: greedy decoding with llama.cpp (llama-cpp-python, low-level C API).
 
 Runs INSIDE the peer virtualenv (benchmarks/.peer-venv, created by vs_llamacpp.py),
-which has llama-cpp-python installed. It does not import anything from specdec.
+which has llama-cpp-python installed. It imports nothing from specdec but the provenance
+writer (backend/bench/provenance.py, standard library only), found through the repository path.
 
     python peer_llamacpp.py --gguf MODEL.gguf --prompts prompts.jsonl \
         --max-new-tokens 64 --threads 2 --json out.json
@@ -58,6 +59,9 @@ from typing import Any
 import numpy as np
 
 import llama_cpp  # noqa: E402  (llama-cpp-python)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from backend.bench.provenance import write_result  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -423,11 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loadavg start {meta['loadavg_start']} end {meta['loadavg_end']}")
 
     if args.json_out:
-        d = os.path.dirname(os.path.abspath(args.json_out))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        write_result(args.json_out, result, args.threads)       # date, machine, commit, command
         print(f"[peer] wrote {args.json_out}")
 
     llama_cpp.llama_free(ctx)

@@ -21,7 +21,8 @@ Steps:
   (c) run our engine via run_ours() (skipped with --peer-only);
   (d) print both, the ratio ours / llama.cpp, and write a combined JSON.
 
-The orchestrator itself only uses the standard library (run_ours may import specdec).
+The orchestrator itself only uses the standard library and backend/bench/provenance.py (which
+does too: the combined JSON's date, machine, commit and command); run_ours imports specdec.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from backend.bench.provenance import write_result  # noqa: E402
+
 PEER_VENV = HERE / ".peer-venv"
 PEER_SCRIPT = HERE / "peer_llamacpp.py"
 # Pinned: this version built from source here (Python 3.11, gcc, cmake, 2 cores).
@@ -60,7 +64,6 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int, weights: st
     Then end to end (prefill included, all new tokens over the whole time): plain decoding and
     speculative decoding with `--drafter auto` on the serving format, as `specdec serve` runs
     them (the embedded default's drafts, the build's cost model)."""
-    sys.path.insert(0, str(HERE.parent))
     from backend.bench.engine_bench import greedy_tokens_per_s
     from backend.build.embedded import default_drafts, default_gguf
     from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
@@ -103,17 +106,6 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int, weights: st
                        "auto_outputs_equal_plain": all(a["token_ids"] == b["token_ids"] for a, b in
                                                        zip(e2e["none"]["per_prompt"], e2e["auto"]["per_prompt"]))},
     }
-
-
-def cpu_model() -> str:
-    """The machine, as lscpu names it (results are compared within one machine only)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} vCPU"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def peer_end_to_end(peer: dict) -> float:
@@ -337,12 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_f(ours_e2e['auto_tokens_per_s'])} (x{_f(e2e[mode]['ratio_auto_over_llamacpp'], '.3f')}); "
                   f"auto outputs equal plain: {ours_e2e['auto_outputs_equal_plain']}")
     combined = {
-        "date": time.strftime("%Y-%m-%d"),
         "by_flash_attn": {m: {"llamacpp_decode_tokens_per_s": c["llamacpp_decode_tokens_per_s"],
                               "ratio_ours_over_llamacpp": c["ratio_ours_over_llamacpp"],
                               "end_to_end": e2e[m]}
                           for m, c in by_mode.items()},
-        "machine": cpu_model(),
         "config": {"gguf": gguf, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                    "threads": args.threads, "peer_only": args.peer_only,
                    "peer_flash_attn": args.peer_flash_attn,
@@ -354,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(combined, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        write_result(args.json_out, combined, args.threads)     # date, machine, commit, command
         print(f"[vs] wrote {args.json_out}")
     return 3 if ours_error else 0
 

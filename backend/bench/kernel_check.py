@@ -11,11 +11,11 @@ rejection_sample equals backend/verify.py).
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import numpy as np
+
+from backend.bench.provenance import write_result
 
 
 def _setup() -> str:
@@ -144,7 +144,7 @@ def run(json_path: str | None, quick: bool = False) -> dict:
     result = {"device": device, "quick": quick,
               "kernels": [check_attention(dev, rng, quick), check_verify(dev, rng, quick), check_engine_graph()]}
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(json_path, result)              # a correctness check: no thread count
     for k in result["kernels"]:
         print(f"{k['name']:15s} cases {k['cases']:3d}  max |err| {k['max_abs_err']:.3g}  "
               f"{'ok' if k['ok'] else 'FAILED'}")

@@ -7,12 +7,10 @@ dequantize. Writes {"top1_agreement", "kl_mean", "format", "reference", "prompts
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from backend.bench.prompt_sets import prompt_ids
+from backend.bench.provenance import engine_threads, write_result
 
 
 def _greedy(rt, ids: list[int], n: int) -> list[int]:
@@ -72,5 +70,5 @@ def run(engine_dir: str, fmt: str, reference: str, prompts: list[dict], max_new_
     print(f"overall: top-1 agreement {result['top1_agreement']:.4f}, mean KL {result['kl_mean']:.5f} "
           f"({sum(x['positions'] for x in per)} positions, {len(per)} prompts)")
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(json_path, result, engine_threads(opts))
     return result

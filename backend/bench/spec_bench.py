@@ -14,7 +14,6 @@ model) gets each prompt's text as a plain continuation; the report says which ("
 """
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.bench.prompt_sets import PLAIN_CONTINUATION, prompt_format, prompt_ids
+from backend.bench.provenance import engine_threads, write_result
 from backend.config import DrafterKind, SamplingParams
 from backend.decoder import SpecDecoder
 from backend.sequence import Request
@@ -108,7 +108,7 @@ def run(decoder: SpecDecoder, prompts: list[dict], drafter: DrafterKind, max_new
     result = summarize(encoded, plain_runs, spec_runs, drafter, tok, fmt, max_new_tokens, temperature,
                        num_draft_tokens, warmup_passes, log)
     if out_json:
-        Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(out_json, result, engine_threads())      # the CLI's decoders: default options
     return result
 
 
@@ -163,7 +163,7 @@ def compare(plain_decoder: SpecDecoder, decoders: dict[DrafterKind, SpecDecoder]
                 + "  ".join(f"{k} x{x:.3f}" for k, x in v["decode_kinds"].items()))
     result["prefix_cache_mb"] = prefix_cache_mb
     if out_json:
-        Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(out_json, result, engine_threads())      # the CLI's decoders: default options
     return result
 
 
