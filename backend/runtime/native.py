@@ -94,26 +94,52 @@ class _Workspace(ctypes.Structure):
 _LIB = None
 
 
+# SPECDEC_ISA: the path the quantized matmul runs on. auto (unset): AMX tiles where the CPU and the
+# OS have them, else the build's vector path; amx: tiles or an error; avx512: the build's AVX-512
+# VNNI path without tiles; avx2: the 256-bit build setup.py compiles beside it (plugins._native_avx2).
+# Every path gives the same bits (plugins/native/amx.h, tests/test_native_amx.py).
+ISAS = ("auto", "amx", "avx512", "avx2")
+
+
 def compiled() -> bool:
     """Whether the install compiled the decode step (plugins/_native*.so, setup.py)."""
     spec = importlib.util.find_spec("plugins._native")
     return spec is not None and spec.origin is not None
 
 
+def _isa_wanted() -> str:
+    want = os.environ.get("SPECDEC_ISA", "auto").strip().lower() or "auto"
+    if want not in ISAS:
+        raise UserError(f"SPECDEC_ISA={want!r}: expected one of {', '.join(ISAS)}")
+    return want
+
+
+def _library_path(want: str) -> str:
+    override = os.environ.get("SPECDEC_NATIVE_LIB")
+    if override and not os.path.isfile(override):
+        raise RuntimeError(f"SPECDEC_NATIVE_LIB={override}: no such file")
+    if not override and not compiled():
+        raise RuntimeError("the native CPU engine is not compiled (plugins/_native*.so missing): "
+                           "it needs a C compiler with OpenMP at install time; reinstall with "
+                           "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
+                           "the fp32 / q4 engines (--weights fp32,q4)")
+    if override:
+        return override
+    if want == "avx2":
+        spec = importlib.util.find_spec("plugins._native_avx2")
+        if spec is not None and spec.origin is not None:
+            return spec.origin
+    return importlib.util.find_spec("plugins._native").origin
+
+
 def library() -> ctypes.CDLL:
-    """The compiled decode step, loaded once. SPECDEC_NATIVE_LIB names another build of the same
-    source to load instead (the AddressSanitizer/UBSan build, plugins/native/sanitize.sh)."""
+    """The compiled decode step, loaded once, on the path SPECDEC_ISA asks for (ISAS).
+    SPECDEC_NATIVE_LIB names another build of the same source to load instead (the
+    AddressSanitizer/UBSan build, plugins/native/sanitize.sh)."""
     global _LIB
     if _LIB is None:
-        override = os.environ.get("SPECDEC_NATIVE_LIB")
-        if override and not os.path.isfile(override):
-            raise RuntimeError(f"SPECDEC_NATIVE_LIB={override}: no such file")
-        if not override and not compiled():
-            raise RuntimeError("the native CPU engine is not compiled (plugins/_native*.so missing): "
-                               "it needs a C compiler with OpenMP at install time; reinstall with "
-                               "`.venv/bin/pip install -e '.[all]'` where gcc is present, or serve "
-                               "the fp32 / q4 engines (--weights fp32,q4)")
-        path = override or importlib.util.find_spec("plugins._native").origin
+        want = _isa_wanted()
+        path = _library_path(want)
         lib = ctypes.CDLL(path)
         check_abi(lib, path)
         lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
@@ -121,10 +147,27 @@ def library() -> ctypes.CDLL:
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
         lib.sd_isa.restype = ctypes.c_char_p
+        lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
         lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
         lib.sd_matmul.restype = ctypes.c_int
+        on = lib.sd_use_tiles(int(want in ("auto", "amx")))
+        if want == "amx" and not on:
+            raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
+                            "XCR0 and the Linux permission request); unset it to run the vector path")
+        got = lib.sd_isa().decode()
+        if want == "avx512" and not got.startswith("avx512"):
+            raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
+        if want == "avx2" and got not in ("avx2", "avx-vnni"):
+            raise UserError(f"SPECDEC_ISA=avx2: no 256-bit build was compiled beside {path} (setup.py)")
         _LIB = lib
     return _LIB
+
+
+def use_tiles(on: bool) -> str:
+    """Tiles on or off for the loaded library (between forwards); the path now in use. For A/B
+    runs in one process (`specdec bench-engine --isa`, the bitwise tests)."""
+    library().sd_use_tiles(int(on))
+    return isa()
 
 
 class NativeABIError(UserError, RuntimeError):
@@ -157,7 +200,7 @@ def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
 
 
 def isa() -> str:
-    """The instruction set the kernel was compiled for (avx512-vnni | avx-vnni | avx2)."""
+    """The path the quantized matmul runs on: amx | avx512-vnni | avx-vnni | avx2."""
     return library().sd_isa().decode()
 
 

@@ -407,8 +407,21 @@ int sd_abi(int64_t *out, int n) {
     return count;
 }
 
-/* which instruction set this build uses, for the manifest and the build summary */
+static int tiles_in_use;
+
+/* 1: run the matmul's block dots on AMX tiles where the CPU and the OS have them (kernels.h
+ * tiles_select; bitwise the VNNI path's), 0: the path this build compiled; between forwards only.
+ * Returns whether tiles are on. runtime/native.py calls it once when it loads the library
+ * (SPECDEC_ISA). */
+int sd_use_tiles(int on) {
+    tiles_in_use = tiles_select(on);
+    return tiles_in_use;
+}
+
+/* the path the matmul runs on (amx | avx512-vnni | avx-vnni | avx2), for the manifest, `specdec
+ * info`, the startup line and the metrics */
 const char *sd_isa(void) {
+    if (tiles_in_use) return "amx";
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return "avx512-vnni";
 #elif defined(__AVXVNNI__)

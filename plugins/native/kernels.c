@@ -1,6 +1,8 @@
 /* The quantized matmul, the activation quantizer and the elementwise kernels of kernels.h (what
  * they compute, the block layout and the numerics are described there); attention is in
- * attention.c. x86-64: AVX-512 VNNI, AVX-VNNI or AVX2, chosen at compile time (-march). */
+ * attention.c. x86-64: AVX-512 VNNI, AVX-VNNI or AVX2, chosen at compile time (-march), and on
+ * AVX-512 builds AMX tiles where the CPU has them, chosen at run time (amx.h, tiles_select). */
+#define _GNU_SOURCE     /* syscall(): the tile permission request (amx.h) */
 #include <math.h>
 #include <string.h>
 
@@ -338,10 +340,37 @@ static inline void load_nibble_pairs(vi *wv, const uint8_t (*qs)[LANES][4], int 
 
 typedef struct { vf d[ROW_TILE], m[ROW_TILE]; } accw;
 
+#include "amx.h"      /* the tile path (AMX): the same blocks' integer dots on tiles, the same epilogue */
+
+/* a block's rows: on tiles where t (amx.h), else by the VNNI dots above */
+static inline void rows_or_tile_dm(tiles *t, const vi *wv, vf dw, vf mw, const act_q *a, int r0, int nr, int b,
+                                   accw *acc) {
+#if SD_AMX
+    if (t) { tile_dm(t, wv, dw, mw, a, r0, nr, b); return; }
+#endif
+    rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
+}
+
+static inline void rows_or_tile_dz(tiles *t, const vi *wv, vf dw, int zero, const act_q *a, int r0, int nr, int b,
+                                   accw *acc) {
+#if SD_AMX
+    if (t) { tile_dz(t, wv, dw, zero, a, r0, nr, b); return; }
+#endif
+    rows_dz(wv, dw, zero, a, r0, nr, b, acc->d);
+}
+
+static inline void rows_or_tile_q6(tiles *t, const vi *wv, vi sc0, vi sc1, vf dw, const act_q *a, int r0, int nr,
+                                   int b, accw *acc) {
+#if SD_AMX
+    if (t) { tile_q6(t, wv, sc0, sc1, dw, a, r0, nr, b); return; }
+#endif
+    rows_q6(wv, sc0, sc1, dw, a, r0, nr, b, acc->d);
+}
+
 /* each over the W lanes of pass `pass` of a group (lanes W pass .. W pass + W-1); pass 0 prefetches.
  * Q4_1, Q8_0, Q5_0, Q5_1: one block of 32 inputs per step (`type` is a constant where inlined) */
 static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, const act_q *a, int r0, int nr,
-                            accw *acc) {
+                            accw *acc, tiles *t) {
     const size_t bb = block_bytes(type);
     const int lane0 = W * pass;
     vi wv[8];
@@ -351,28 +380,29 @@ static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, co
             const block_q4_1x16 *B = (const block_q4_1x16 *)blk;
             vf dw = vf_load_f16(B->d + lane0), mw = vf_load_f16(B->m + lane0);
             load_nibble_pairs(wv, B->qs, lane0);
-            rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
+            rows_or_tile_dm(t, wv, dw, mw, a, r0, nr, b, acc);
         } else if (type == SD_Q8_0) {
             const block_q8_0x16 *B = (const block_q8_0x16 *)blk;
             vf dw = vf_load_f16(B->d + lane0);
             for (int c = 0; c < 8; c++) wv[c] = vi_load(B->qs[c][lane0]);
-            rows_dz(wv, dw, 128, a, r0, nr, b, acc->d);
+            rows_or_tile_dz(t, wv, dw, 128, a, r0, nr, b, acc);
         } else if (type == SD_Q5_0) {
             const block_q5_0x16 *B = (const block_q5_0x16 *)blk;
             load_nibble_pairs(wv, B->qs, lane0);
             add_planes(wv, B->qh, pass);
-            rows_dz(wv, vf_load_f16(B->d + lane0), 16, a, r0, nr, b, acc->d);
+            rows_or_tile_dz(t, wv, vf_load_f16(B->d + lane0), 16, a, r0, nr, b, acc);
         } else {                                       /* SD_Q5_1 */
             const block_q5_1x16 *B = (const block_q5_1x16 *)blk;
             load_nibble_pairs(wv, B->qs, lane0);
             add_planes(wv, B->qh, pass);
-            rows_dm(wv, vf_load_f16(B->d + lane0), vf_load_f16(B->m + lane0), a, r0, nr, b, acc->d, acc->m);
+            rows_or_tile_dm(t, wv, vf_load_f16(B->d + lane0), vf_load_f16(B->m + lane0), a, r0, nr, b, acc);
         }
     }
 }
 
 /* Q4_K / Q5_K: per super-block the 8 sub-blocks' d sc and -dmin m first, then the sub-blocks */
-static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, const act_q *a, int r0, int nr, accw *acc) {
+static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, const act_q *a, int r0, int nr, accw *acc,
+                            tiles *t) {
     const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
     const int lane0 = W * pass;
     vi wv[8];
@@ -394,12 +424,13 @@ static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, cons
             if (q5) add_planes(wv, k5->qh[j], pass);
             vf dw = vf_mul(d, byte_as_float(sc[j >> 2], j));
             vf mw = vf_mul(nmin, byte_as_float(mn[j >> 2], j));
-            rows_dm(wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc->d, acc->m);
+            rows_or_tile_dm(t, wv, dw, mw, a, r0, nr, sb * (QK_K / QBLOCK) + j, acc);
         }
     }
 }
 
-static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q *a, int r0, int nr, accw *acc) {
+static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q *a, int r0, int nr, accw *acc,
+                             tiles *t) {
     const size_t bb = sizeof(block_q6_Kx16);
     const int lane0 = W * pass;
     const vi top = vi_set1_8(0x30);
@@ -421,50 +452,108 @@ static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q
             }
             vi sc0 = vi_load_i8_as_i32(k6->scales[2 * b] + lane0);
             vi sc1 = vi_load_i8_as_i32(k6->scales[2 * b + 1] + lane0);
-            rows_q6(wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc->d);
+            rows_or_tile_q6(t, wv, sc0, sc1, d, a, r0, nr, sb * (QK_K / QBLOCK) + b, acc);
         }
+    }
+}
+
+/* the kind's block loop over group g for int8 rows r0 .. r0 + nr, one pass of W lanes; t: on tiles */
+static inline __attribute__((always_inline)) void kind_blocks(const sd_matrix *w, int g, int pass, const act_q *a,
+                                                              int r0, int nr, accw *acc, tiles *t) {
+    const int type = w->type, nblk = w->cols / block_elems(type);
+    const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
+    switch (type) {
+    case SD_Q4_1: blocks32(blk, nblk, SD_Q4_1, pass, a, r0, nr, acc, t); break;
+    case SD_Q8_0: blocks32(blk, nblk, SD_Q8_0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_0: blocks32(blk, nblk, SD_Q5_0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_1: blocks32(blk, nblk, SD_Q5_1, pass, a, r0, nr, acc, t); break;
+    case SD_Q4_K: k_blocks(blk, nblk, 0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_K: k_blocks(blk, nblk, 1, pass, a, r0, nr, acc, t); break;
+    case SD_Q6_K: q6_blocks(blk, nblk, pass, a, r0, nr, acc, t); break;
+    default: break;
     }
 }
 
 static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr, float out[][LANES]) {
-    const int type = w->type, nblk = w->cols / block_elems(type);
-    const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
     for (int pass = 0; pass < LANES / W; pass++) {
         accw acc;
         for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = vf_zero();
-        switch (type) {
-        case SD_Q4_1: blocks32(blk, nblk, SD_Q4_1, pass, a, r0, nr, &acc); break;
-        case SD_Q8_0: blocks32(blk, nblk, SD_Q8_0, pass, a, r0, nr, &acc); break;
-        case SD_Q5_0: blocks32(blk, nblk, SD_Q5_0, pass, a, r0, nr, &acc); break;
-        case SD_Q5_1: blocks32(blk, nblk, SD_Q5_1, pass, a, r0, nr, &acc); break;
-        case SD_Q4_K: k_blocks(blk, nblk, 0, pass, a, r0, nr, &acc); break;
-        case SD_Q5_K: k_blocks(blk, nblk, 1, pass, a, r0, nr, &acc); break;
-        case SD_Q6_K: q6_blocks(blk, nblk, pass, a, r0, nr, &acc); break;
-        default: break;
-        }
+        kind_blocks(w, g, pass, a, r0, nr, &acc, NULL);
         for (int r = 0; r < nr; r++) vf_store(out[r] + W * pass, vf_add(acc.d[r], acc.m[r]));
     }
 }
 
+/* y's rows for int8 rows r0 .. r0 + nr of group g from their dots `out` (wide: pairs added) */
+static inline void store_rows(const float out[][LANES], const act_q *a, int r0, int nr, int g, float *y, int ldy,
+                              int n_out, int accumulate, const float *bias) {
+    const int per = 1 + a->wide;
+    for (int r = 0; r < nr / per; r++) {
+        float *yr = y + (size_t)(r0 / per + r) * ldy + g * LANES;
+        for (int i = 0; i < LANES && g * LANES + i < n_out; i++) {
+            float v = a->wide ? out[2 * r][i] + out[2 * r + 1][i] : out[r][i];
+            if (bias) v = v + bias[g * LANES + i];
+            yr[i] = accumulate ? yr[i] + v : v;
+        }
+    }
+}
+
+#if SD_AMX
+/* group_dot on tiles: up to TILE_ROWS int8 rows, the tiles configured for nr rows (tiles_config) */
+static SD_AMX_TARGET void group_dot_tiles(const sd_matrix *w, int g, const act_q *a, int r0, int nr,
+                                          float out[][LANES]) {
+    tiles t;
+    for (int r = 0; r < nr; r++) t.d[r] = t.m[r] = vf_zero();
+    kind_blocks(w, g, 0, a, r0, nr, NULL, &t);
+    for (int r = 0; r < nr; r++) vf_store(out[r], vf_add(t.d[r], t.m[r]));
+}
+
+/* matmul on tiles: the whole tiles of TILE_ROWS rows, then the rest, each with its own tile
+ * configuration (loaded once per thread and phase); a thread keeps its groups in both phases */
+static void matmul_tiles(const sd_matrix *w, const act_q *a, int arows, float *y, int ldy, int n_out,
+                         int accumulate, const float *bias) {
+    const int groups = w->rows / LANES, whole = arows / TILE_ROWS * TILE_ROWS, rest = arows - whole;
+    if (whole) {
+        tiles_config(TILE_ROWS);
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; g++)
+            for (int r0 = 0; r0 < whole; r0 += TILE_ROWS) {
+                float out[TILE_ROWS][LANES];
+                group_dot_tiles(w, g, a, r0, TILE_ROWS, out);
+                store_rows(out, a, r0, TILE_ROWS, g, y, ldy, n_out, accumulate, bias);
+            }
+    }
+    if (rest) {
+        tiles_config(rest);
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; g++) {
+            float out[TILE_ROWS][LANES];
+            group_dot_tiles(w, g, a, whole, rest, out);
+            store_rows(out, a, whole, rest, g, y, ldy, n_out, accumulate, bias);
+        }
+    }
+#pragma omp barrier
+}
+#endif
+
 /* Parallel over groups of LANES outputs; a row's outputs never depend on the other rows. Wide
- * activations: a tile's int8 rows are pairs (ROW_TILE is even), a row's output the pair's sum. */
+ * activations: a tile's int8 rows are pairs (ROW_TILE is even), a row's output the pair's sum.
+ * On tiles (amx.h) from TILE_MIN_ROWS int8 rows: the same bits. */
 void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int n_out,
             int accumulate, const float *bias) {
-    const int groups = w->rows / LANES, per = 1 + a->wide, arows = rows * per;
+    const int groups = w->rows / LANES, arows = rows * (1 + a->wide);
+#if SD_AMX
+    if (tiles_on && arows >= TILE_MIN_ROWS) {
+        matmul_tiles(w, a, arows, y, ldy, n_out, accumulate, bias);
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         for (int r0 = 0; r0 < arows; r0 += ROW_TILE) {
             int nr = arows - r0 < ROW_TILE ? arows - r0 : ROW_TILE;
             float out[ROW_TILE][LANES];
             group_dot(w, g, a, r0, nr, out);
-            for (int r = 0; r < nr / per; r++) {
-                float *yr = y + (size_t)(r0 / per + r) * ldy + g * LANES;
-                for (int i = 0; i < LANES && g * LANES + i < n_out; i++) {
-                    float v = a->wide ? out[2 * r][i] + out[2 * r + 1][i] : out[r][i];
-                    if (bias) v = v + bias[g * LANES + i];
-                    yr[i] = accumulate ? yr[i] + v : v;
-                }
-            }
+            store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
         }
     }
 }

@@ -183,6 +183,11 @@ SD_KERNEL void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, in
 /* out [w->cols] = row n of w, dequantized (the embedding gather; on the calling thread) */
 SD_KERNEL void dequant_row(const sd_matrix *w, int n, float *out);
 
+/* 1: the matmul runs its integer block dots on AMX tiles from now on (amx.h), where the CPU and
+ * the OS have them (the process's tile permission is asked for once); 0: on the VNNI path. Between
+ * forwards only. Returns whether tiles are on. */
+SD_KERNEL int tiles_select(int on);
+
 /* ---- elementwise -------------------------------------------------------------------------- */
 
 /* y = x / rms(x) * w, x [rows, h], rows of y ldy apart; w NULL: y = x */

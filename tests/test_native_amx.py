@@ -1,0 +1,133 @@
+"""AMX tiles (plugins/native/amx.h) give the VNNI path's bits: for every weight kind the kernel
+reads, wide activations on and off, 1..64 rows, ragged tiles and 1 and 2 threads, the matmul on
+tiles equals the matmul without them bit for bit; a whole engine's logits (batch of rows, trees,
+wide families) likewise. On a CPU without AMX these tests skip and say so; SPECDEC_ISA's refusals
+are tested everywhere."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+native = pytest.importorskip("backend.runtime.native")
+if not native.compiled():
+    pytest.skip("the native kernel is not compiled", allow_module_level=True)
+
+from conftest import chain, make_tiny_checkpoint  # noqa: E402
+from test_native_blocks import TYPES, _tensor  # noqa: E402
+
+from backend.build.native_blocks import matrix  # noqa: E402
+
+HAS_TILES = native.use_tiles(True) == "amx"
+needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="this CPU/OS gives no AMX tiles: the tile path is "
+                                                       "not exercised here (it runs on Sapphire Rapids and later)")
+
+
+@pytest.fixture(autouse=True)
+def _default_path():
+    """Every test leaves the library on the default path (tiles where there are any)."""
+    yield
+    native.use_tiles(True)
+
+
+@pytest.fixture(scope="module")
+def tiny_native_engine(tmp_path_factory):
+    """A tiny engine with wide qkv and LM head -> run(): two rows prefilled (37 and 21 tokens: a
+    whole tile and a rest), then one forward of both with a tree each, then a plain step; every
+    forward's logits."""
+    from backend.build.pipeline import BuildConfig, build
+    from backend.manifest import WeightFormat
+    from backend.devices import load_runtime
+    from backend.tree import TokenTree
+
+    d = tmp_path_factory.mktemp("amx")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=7)
+    manifest = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, weights=(WeightFormat.GGUF,),
+                                 measure_costs=False, extra={"wide_activations": "qkv,lm_head"}))
+    tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, 37), rng.integers(3, 200, 21)]
+    nodes = rng.integers(3, 200, (2, tree.num_nodes))
+
+    def run() -> list[np.ndarray]:
+        rt = load_runtime(manifest, "gguf")
+        out = []
+        for sid, ids in enumerate(prompts):
+            rt.alloc(sid)
+            out.append(np.array(rt.forward([sid], ids[None], chain(ids.size), np.arange(ids.size)[None]).logits))
+            rt.commit([sid], [np.arange(ids.size)])
+        parents = np.stack([tree.parents, tree.parents])
+        out.append(np.array(rt.forward([0, 1], nodes, parents, np.tile(np.arange(tree.num_nodes), (2, 1))).logits))
+        rt.commit([0, 1], [np.array([0, 2]), np.array([0])])
+        out.append(np.array(rt.forward([1], nodes[:1, :1], chain(1), np.zeros((1, 1), np.int64)).logits))
+        rt.close()
+        return out
+
+    return run
+
+
+def _both(kind, data, rows, cols, x, threads, wide):
+    native.use_tiles(False)
+    vnni = native.blocked_matmul(kind, data, rows, cols, x, threads=threads, wide=wide)
+    assert native.use_tiles(True) == "amx"
+    tiles = native.blocked_matmul(kind, data, rows, cols, x, threads=threads, wide=wide)
+    return vnni, tiles
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", TYPES)
+def test_tiles_give_the_vnni_bits_for_every_kind_width_and_row_count(qtype):
+    kind, data, rows, cols = matrix([_tensor(qtype, n=48, k=512)])
+    rng = np.random.default_rng(TYPES.index(qtype))
+    x = (rng.standard_normal((64, cols)) * rng.uniform(0.1, 3.0, (64, 1))).astype(np.float32)
+    x[:, 7] *= 40.0                                      # an outlier column: wide rows' residuals matter
+    for wide in (False, True):
+        for t in (1, 2, 3, 7, 8, 9, 16, 17, 31, 33, 64):
+            for threads in ((1, 2) if t in (1, 9, 64) else (2,)):
+                vnni, tiles = _both(kind, data, rows, cols, x[:t], threads, wide)
+                assert np.array_equal(vnni.view(np.uint32), tiles.view(np.uint32)), (qtype, wide, t, threads)
+
+
+@needs_tiles
+def test_tiles_keep_rows_independent_of_the_batch():
+    kind, data, rows, cols = matrix([_tensor("Q4_K", n=32, k=256)])
+    x = np.random.default_rng(5).standard_normal((20, cols)).astype(np.float32)
+    batch = native.blocked_matmul(kind, data, rows, cols, x, threads=2)
+    for r in (0, 15, 16, 19):
+        assert np.array_equal(batch[r], native.blocked_matmul(kind, data, rows, cols, x[r:r + 1], threads=1)[0]), r
+
+
+@needs_tiles
+def test_an_engine_s_logits_on_tiles_equal_the_vnni_path_s(tiny_native_engine):
+    """Batches of rows, a tree and wide families through sd_forward: the same logits on both paths."""
+    run = tiny_native_engine
+    native.use_tiles(False)
+    vnni = run()
+    native.use_tiles(True)
+    tiles = run()
+    for a, b in zip(vnni, tiles):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _isa_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    code = "import backend.runtime.native as n; print(n.isa())"
+    env = {"SPECDEC_ISA": value, "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_specdec_isa_selects_the_path_or_refuses_clearly():
+    auto = _isa_in_subprocess("auto")
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.strip() == ("amx" if HAS_TILES else native.library().sd_isa().decode())
+    bad = _isa_in_subprocess("sse2")
+    assert bad.returncode != 0 and "SPECDEC_ISA='sse2': expected one of auto, amx, avx512, avx2" in bad.stderr
+    amx = _isa_in_subprocess("amx")
+    if HAS_TILES:
+        assert amx.stdout.strip() == "amx"
+    else:
+        assert amx.returncode != 0 and "SPECDEC_ISA=amx" in amx.stderr
+    if auto.stdout.strip() in ("amx", "avx512-vnni"):
+        assert _isa_in_subprocess("avx512").stdout.strip() == "avx512-vnni"
+        narrow = _isa_in_subprocess("avx2")
+        assert narrow.returncode == 0, narrow.stderr
+        assert narrow.stdout.strip() in ("avx2", "avx-vnni")
