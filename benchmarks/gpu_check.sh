@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check in one run, first thing on any GPU: kernels compiled against their references,
-# runtime logits vs the CPU, tree-verify invariance, CUDA graphs vs eager, the verify cost curve,
-# FP8 recipes in hardware and their decode speed vs bf16, the speculative bench on a real GGUF,
-# the plugin kernel tests; each step within a share of a 420 s budget. Reads first:
+# The GPU check in one run, first thing on any GPU: the copy bandwidth, kernels compiled against
+# their references, runtime logits vs the CPU, tree-verify invariance, CUDA graphs vs eager (same
+# prompts, 0 expected), the verify cost curve, FP8 recipes in hardware and their decode speed vs
+# bf16 (Triton and cuBLAS linears), each timed step's bytes, GB/s, fraction of bandwidth and
+# launches, the speculative bench on a real GGUF (after a warm-up pass), the plugin kernel tests;
+# each step within its share of a 420 s budget (the shares add up to it: < 8 min). Reads first:
 # OUTDIR/gpu_summary.md (and .json): machine, versions, each check's value, target, pass/fail and
-# for a failure the file and function to look at. Needs python3 with torch, triton, numpy; no
-# network; installs nothing. Exit 1 if a step failed or raised.
+# for a failure the file and function to look at; the roofline of every timed step. Needs python3
+# with torch, triton, numpy; no network; installs nothing. Exit 1 if a step failed or raised.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR [model.gguf | stem of its parts]     # on the GPU
 #   bash benchmarks/gpu_check.sh --dry-run OUTDIR [model.gguf]               # CPU, CI: every step,

@@ -1,16 +1,18 @@
-"""The measurements of the GPU check (benchmarks/gpu_check.py runs them, each one a step of the
-summary), on random weights of real shapes: timing needs no real weights. Every function takes
-the device, so the dry run (`gpu_check.sh --dry-run`) runs the same code on the CPU with the
-small shapes of `Plan.dry()`: the logits step with the kernels in Triton's interpreter (the
-others with the kernels' numpy references: the interpreter's speed is the kernels step's
-business), and CUDA graphs through `cpu_graph_stubs` (capture runs the forward eagerly, replay
-does nothing), so everything up to the device calls executes.
+"""The correctness steps of the GPU check (benchmarks/gpu_check.py runs them, each one a step
+of the summary; the timing steps are benchmarks/gpu_timing.py), on random weights of real
+shapes. Every function takes the device, so the dry run (`gpu_check.sh --dry-run`) runs the same
+code on the CPU with the small shapes of `Plan.dry()`: the logits, invariance and graph steps
+with the kernels in Triton's interpreter and the model in its invariant mode (the GPU's default:
+linears, LM head and norms by the fixed-tile kernels), so they read exactly 0 where the kernels
+are batch invariant; CUDA graphs through `cpu_graph_stubs` (a capture records the forward, a
+replay runs it again into the captured outputs), so everything up to the device calls executes.
+Two runs compared by a step see the same prompts and the same tokens: a difference is the
+kernels', never the inputs'.
 """
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,14 +45,15 @@ class Plan:
     reps: int
     prompt: int             # the logits check's prompt
     chain: int              # the invariance check's verified chain
+    copy_mib: int           # the bandwidth step's copy
 
     @classmethod
     def real(cls) -> "Plan":
-        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 200, 16)
+        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 200, 16, 2048)
 
     @classmethod
     def dry(cls) -> "Plan":
-        return cls("cpu", TINY, 24, (1, 2, 16), (1, 2), 2, 12, 4)
+        return cls("cpu", TINY, 24, (1, 2, 16), (1, 2), 2, 12, 4, 64)
 
 
 def sync(device: str) -> None:
@@ -60,19 +63,43 @@ def sync(device: str) -> None:
 
 @contextlib.contextmanager
 def cpu_graph_stubs():
-    """CUDA graphs on the CPU for the dry run: capture runs the forward once eagerly, replay
-    keeps its outputs, synchronize does nothing."""
-    class Graph:
-        def replay(self):
-            pass
+    """CUDA graphs on the CPU for the dry run: a capture runs the forward (TorchRuntime._compute
+    on the static buffers) and records it; a replay runs it again and copies its outputs into
+    the captured ones, as a graph's kernels rewrite the same memory; synchronize does nothing."""
+    capturing = []
 
+    class Graph:
+        def __init__(self):
+            self.calls = []
+
+        def replay(self):
+            for rt, x, out in self.calls:
+                for old, new in zip(out, compute(rt, x)):
+                    old.copy_(new)
+
+    @contextlib.contextmanager
+    def graph(g):
+        capturing.append(g)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    def recorded(rt, x):
+        out = compute(rt, x)
+        if capturing:
+            capturing[-1].calls.append((rt, x, out))
+        return out
+
+    compute = TorchRuntime._compute
     saved = torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.synchronize
-    torch.cuda.CUDAGraph, torch.cuda.graph = Graph, lambda g: contextlib.nullcontext()
+    torch.cuda.CUDAGraph, torch.cuda.graph, TorchRuntime._compute = Graph, graph, recorded
     torch.cuda.synchronize = lambda *a: None
     try:
         yield
     finally:
         torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.synchronize = saved
+        TorchRuntime._compute = compute
 
 
 def random_tensors(cfg: ModelConfig, fmt: str, device: str, recipe: fp8.Recipe | None = None, seed: int = 0) -> dict:
@@ -104,11 +131,15 @@ def random_tensors(cfg: ModelConfig, fmt: str, device: str, recipe: fp8.Recipe |
 
 
 def runtime(cfg, tensors, device, max_seq_len=1024, slots=33, dtype=None, graphs=True, recipe=None,
-            kernels: bool | None = None) -> TorchRuntime:
-    """kernels: attention by the Triton kernels (on a CPU: the interpreter); default: on a GPU."""
+            kernels: bool | None = None, invariant: bool | None = None) -> TorchRuntime:
+    """kernels: attention by the Triton kernels (on a CPU: the interpreter); invariant: linears,
+    LM head and norms by the fixed-tile kernels (False: torch's, cuBLAS on a GPU); default for
+    both: on a GPU."""
     rt = TorchRuntime(None, cfg, cfg.num_layers, max_seq_len, RuntimeOptions(max_sequences=slots, cuda_graphs=graphs),
                       device, tensors=tensors, dtype=dtype, fp8_recipe=recipe)
     rt.kernels = device == "cuda" if kernels is None else kernels
+    if invariant is not None:
+        rt.model.invariant = invariant
     return rt
 
 
@@ -116,59 +147,77 @@ def chain(n: int) -> np.ndarray:
     return np.arange(-1, n - 1, dtype=np.int32)[None]
 
 
-def prefill(rt, sids, context, rng):
-    for s in sids:
+def prefill(rt, sids, prompts: np.ndarray) -> None:
+    """Commit `prompts` into slots `sids`: one row per slot ([len(sids), n]), or one prompt
+    [n] into every slot (the same tokens, so the slots' KV is the same bits)."""
+    prompts = np.broadcast_to(prompts, (len(sids), np.shape(prompts)[-1]))
+    n = prompts.shape[1]
+    for s, ids in zip(sids, prompts):
         rt.alloc(s)
-        rt.forward([s], rng.integers(3, rt.config.vocab_size, (1, context)), chain(context), np.array([[context - 1]]))
-        rt.commit([s], [np.arange(context)])
+        rt.forward([s], ids[None].copy(), chain(n), np.array([[n - 1]]))
+        rt.commit([s], [np.arange(n)])
+
+
+def prompt_ids(cfg, n: int, seed: int, rows: int | None = None) -> np.ndarray:
+    """Random token ids [n] (or [rows, n]) of the vocabulary, ids 0-2 left out (BOS/EOS/pad)."""
+    return np.random.default_rng(seed).integers(3, cfg.vocab_size, n if rows is None else (rows, n))
 
 
 def logits(plan: Plan) -> dict:
     """The runtime on `plan.device` (fp32, bf16) vs the CPU runtime with the kernels' references
-    (fp32), same random weights; and a bf16 verify of a chain (16 nodes) vs single steps."""
+    (fp32), same random weights, same prompt and tree."""
     cfg = plan.shapes["smollm2-135m"]
     cpu_t = random_tensors(cfg, "fp32", "cpu")
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(3, cfg.vocab_size, plan.prompt)
+    prompt = prompt_ids(cfg, plan.prompt, 1)
     tree = np.array([[-1, 0, 0, 1, 1, 2, 3, 4]], np.int32)
-    toks = rng.integers(3, cfg.vocab_size, (1, tree.shape[1]))
+    toks = prompt_ids(cfg, tree.shape[1], 2)[None]
 
     def run(rt):
-        prefill(rt, [0], prompt.size, np.random.default_rng(1))
+        prefill(rt, [0], prompt)
         return rt.forward([0], toks, tree, np.arange(tree.shape[1])[None]).logits[0].copy()
 
-    ref = run(runtime(cfg, cpu_t, "cpu", slots=2, graphs=False, kernels=False))
+    ref = run(runtime(cfg, cpu_t, "cpu", slots=2, graphs=False, kernels=False, invariant=False))
     dev_t = {k: v.to(plan.device) for k, v in cpu_t.items()}
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         got = run(runtime(cfg, dev_t, plan.device, slots=2, dtype=dtype, graphs=False, kernels=True))
         out[name] = {"max_rel_logit_diff": float(np.abs(got - ref).max() / np.abs(ref).max()),
                      "top1_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
-    rt = runtime(cfg, dev_t, plan.device, slots=4, dtype=torch.bfloat16, graphs=False, kernels=True)
-    prefill(rt, [1, 2], prompt.size, np.random.default_rng(1))
-    chain_toks = rng.integers(3, cfg.vocab_size, plan.chain)
+    return out
+
+
+def invariance(plan: Plan) -> dict:
+    """bf16, invariant mode: slots 1 and 2 prefilled with the same prompt; slot 1 then takes
+    `plan.chain` single steps, slot 2 one verify of the same tokens as a chain. Every logit of
+    the verify is the bits of its single step (max |diff| 0) where the kernels are invariant."""
+    cfg = plan.shapes["smollm2-135m"]
+    dev_t = {k: v.to(plan.device) for k, v in random_tensors(cfg, "fp32", "cpu").items()}
+    rt = runtime(cfg, dev_t, plan.device, slots=4, dtype=torch.bfloat16, graphs=False, kernels=True, invariant=True)
+    prefill(rt, [1, 2], prompt_ids(cfg, plan.prompt, 1))
+    chain_toks = prompt_ids(cfg, plan.chain, 3)
     single = []
     for tok in chain_toks:
         single.append(rt.forward([1], np.array([[tok]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0].copy())
         rt.commit([1], [np.array([0])])
     verify = rt.forward([2], chain_toks[None], chain(plan.chain), np.arange(plan.chain)[None]).logits[0]
-    out["bf16_verify_vs_single_steps"] = {"nodes": plan.chain,
-        "max_abs_logit_diff": float(np.abs(verify - np.stack(single)).max()),
-        "greedy_identical": bool(np.array_equal(verify.argmax(-1), np.stack(single).argmax(-1)))}
-    return out
+    rt.close()
+    return {"nodes": plan.chain, "max_abs_logit_diff": float(np.abs(verify - np.stack(single)).max()),
+            "greedy_identical": bool(np.array_equal(verify.argmax(-1), np.stack(single).argmax(-1)))}
 
 
 def graphs(plan: Plan) -> dict:
-    """The same steps (a batch of 3 trees, then single tokens) with CUDA graphs and eagerly: the
-    largest logit difference (0: replay is the eager computation)."""
+    """bf16, invariant mode: the same steps (prefills, a batch of 3 trees, then single tokens)
+    with CUDA graphs (padded to their buckets) and eagerly, from the same prompts and tokens:
+    the largest logit difference (0: replay is the eager computation's bits)."""
     cfg = plan.shapes["smollm2-135m"]
     t = random_tensors(cfg, "bf16", plan.device)
     parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, -2, -2]], np.int32)
+    prompts = prompt_ids(cfg, plan.context, 5, rows=3)
     outs = []
     for use in (False, True):
-        rt = runtime(cfg, t, plan.device, slots=4, graphs=use)
+        rt = runtime(cfg, t, plan.device, slots=4, graphs=use, kernels=True, invariant=True)
         rt.use_graphs = use                 # on the dry run's CPU too (cpu_graph_stubs)
-        prefill(rt, [0, 1, 2], plan.context, np.random.default_rng(5))
+        prefill(rt, [0, 1, 2], prompts)
         rng = np.random.default_rng(6)
         got = [rt.forward([0, 1, 2], rng.integers(3, cfg.vocab_size, (3, 4)), parents,
                           np.broadcast_to(np.arange(4), (3, 4)).copy()).logits.copy()]
@@ -184,65 +233,35 @@ def graphs(plan: Plan) -> dict:
     return {"max_abs_logit_diff": diff, "graphs_captured": graphs_made}
 
 
-def time_forward(rt, device: str, b: int, t: int, reps: int, first_id: int) -> float:
-    sids = list(range(first_id, first_id + b))
-    rng = np.random.default_rng(t)
-    parents = np.broadcast_to(chain(t), (b, t)).copy()
-    index = np.broadcast_to(np.arange(t), (b, t)).copy()
-    times = []
-    for i in range(reps + 2):
-        ids = rng.integers(3, rt.config.vocab_size, (b, t))
-        sync(device)
-        t0 = time.perf_counter()
-        rt.forward(sids, ids, parents, index)
-        rt.commit(sids, [np.zeros(0, np.int64)] * b)
-        sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def cost_curve(plan: Plan, name: str, fmt: str = "bf16", batches=None, recipe=None, log=print) -> dict:
-    """cost(T) / cost(1) at each batch, CUDA graphs on, context plan.context."""
-    cfg = plan.shapes[name]
-    rt = runtime(cfg, random_tensors(cfg, fmt, plan.device, recipe), plan.device, recipe=recipe)
-    out, first = {}, 0
-    for b in batches or plan.batches:
-        prefill(rt, list(range(first, first + b)), plan.context, np.random.default_rng(b))
-        secs = {t: time_forward(rt, plan.device, b, t, plan.reps, first) for t in plan.widths}
-        out[f"b{b}"] = {"seconds": {str(t): round(s, 6) for t, s in secs.items()},
-                        "ratio": {str(t): round(s / secs[1], 3) for t, s in secs.items()}}
-        log(f"{name} {fmt} B={b}: " + " ".join(f"T{t}={out[f'b{b}']['ratio'][str(t)]}" for t in plan.widths))
-        for s in range(first, first + b):
-            rt.free(s)
-        first += b
-    rt.close()
-    return out
-
-
-def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, log=print) -> dict:
-    """Plain decode tokens/s (batch 1 and 8) on the 8B shape; FP8 by `recipe`, with whether
-    torch._scaled_mm runs it here (else emulated)."""
-    cfg = plan.shapes["llama3-8b"]
-    rt = runtime(cfg, random_tensors(cfg, fmt, plan.device, recipe), plan.device, slots=9, recipe=recipe)
-    out = {"hardware_fp8": rt.model.hw_fp8}
-    for b in (1, 8):
-        prefill(rt, list(range(b)), plan.context, np.random.default_rng(b))
-        s = time_forward(rt, plan.device, b, 1, plan.reps * 3, 0)
-        out[f"b{b}_tokens_per_s"] = round(b / s, 1)
-        for i in range(b):
-            rt.free(i)
-    rt.close()
-    del rt
-    if plan.device == "cuda":
-        torch.cuda.empty_cache()
-    log(f"8B-shape decode {recipe.label if recipe else fmt}: {out}")
-    return out
-
-
 def fp8_hardware(plan: Plan) -> dict:
     """Which recipes torch._scaled_mm runs on this device and gives the emulation's numbers
     (on the dry run's CPU: its own _scaled_mm, where it has the form)."""
     from backend.runtime.torch_model import probe_scaled_mm
 
     return {r.name: probe_scaled_mm(torch.device(plan.device), r) for r in fp8.RECIPES}
+
+
+def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int, k: int = 4) -> dict:
+    """`specdec bench --drafter prompt-lookup --num-draft-tokens k` on a built model repository,
+    after one unmeasured pass of the same prompts in every mode (plain and speculative: every
+    prompt's kernels compiled and graphs captured before the clock runs; prompt lookup keeps no
+    state between requests, so the pass flatters neither mode). The result as the bench writes
+    it (`out_json`), with the warm-up pass's tokens/s, TPOT and first token beside."""
+    from pathlib import Path
+
+    from backend.bench import spec_bench as sb
+    from backend.bench.prompt_sets import default_prompts, load_prompts
+    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.config import DrafterKind, ServeConfig, SpecConfig
+    from backend.engine import make_decoder
+
+    prompts = load_prompts(default_prompts())[:limit]
+    spec = SpecConfig(num_draft_tokens=k, prompt_lookup_width=1)        # the CLI's defaults
+    dec = make_decoder(ServeConfig(engine_dir=str(Path(repo) / ENGINE_SUBDIR), spec=spec))
+    warm = sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, log=lambda *a: None)
+    sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, out_json=Path(out_json))
+    result = json.loads(Path(out_json).read_text())
+    result["warmup_pass"] = {m: {x: warm[m][x] for x in ("tokens_per_s", "tpot_ms", "ttft_ms")}
+                             for m in ("plain", "spec")}
+    Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+    return result

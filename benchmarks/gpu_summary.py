@@ -8,7 +8,10 @@ value, the target, and its status:
     error             it raised: the message, and the file and function to look at
     skipped           not run (its prerequisite is missing, or the time budget ran out): why
     not run           a step of STEPS that never reported (the dry run fails on it)
-A failing or erroring step names the file and function to look at.
+A failing or erroring step names the file and function to look at. Then the roofline: a line
+per timed point of the timing steps (their values' "roofline" lists, benchmarks/gpu_timing.py):
+what it took, what it would take at the bandwidth step's measured copy bandwidth, the fraction
+and the device kernels of one step.
 """
 from __future__ import annotations
 
@@ -72,10 +75,25 @@ class Summary:
         if bad:
             lines += ["", "## To fix first", ""]
             lines += [f"- **{c.step}** ({c.status}): {c.detail or c.what}. Look at {c.look_at}." for c in bad]
+        lines += self.roofline()
         if self.dry_run:
             lines += ["", "dry-run: " + ", ".join(f"{c.step} {'exercised' if c.status == 'exercised' else c.status}"
                                                for c in self.checks)]
         return "\n".join(lines) + "\n"
+
+    def roofline(self) -> list[str]:
+        rows = [r for c in self.checks if isinstance(c.value, dict) for r in c.value.get("roofline") or []]
+        if not rows:
+            return []
+        bw = next((c.value for c in self.checks if c.step == "bandwidth" and isinstance(c.value, dict)), {})
+        out = ["", f"## Roofline: what each timed step took vs its floor at the measured copy bandwidth "
+                   f"({bw.get('GB_per_s', 'not measured')} GB/s)", "",
+               "| timed step | took ms | floor ms | of bandwidth | GB/s | MB read | kernels |",
+               "|---|---|---|---|---|---|---|"]
+        cell = lambda x: "-" if x is None else f"{x:g}"
+        out += [f"| {r['step']} | {cell(r['ms'])} | {cell(r.get('floor_ms'))} | {cell(r.get('of_bandwidth'))} | "
+                f"{cell(r['GB_per_s'])} | {r['bytes'] / 1e6:.1f} | {cell(r.get('kernels'))} |" for r in rows]
+        return out
 
     def write(self, out: Path) -> None:
         (out / "gpu_summary.json").write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
