@@ -365,6 +365,9 @@ def main(argv=None) -> int:
                    help="with --concurrency: run the modes time-sliced in this process (one scheduler "
                         "iteration each in turn) instead of one after another on Triton, so the "
                         "machine's drift cancels out of their ratios; the control always runs")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --paired: request i of a level samples with seed (SEED << 32) | i in every "
+                        "mode, so at a temperature > 0 the modes decode the same tokens (default 0)")
     p.add_argument("--sweep-k", default=None,
                    help="with --concurrency: other fixed K measured at n=1 (default 1,2,3,4,6,8; "
                         "tree sizes 2,4,8,12,16 for eagle)")

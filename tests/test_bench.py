@@ -6,6 +6,9 @@ from conftest import PROMPTS, load_prompts
 
 
 def test_paired_bench_runs_every_mode_on_the_same_requests(built_repo, tmp_path):
+    """At temperature 0.7 every mode samples each request with the same seed and --ignore-eos
+    reaches it: all modes decode exactly plain's tokens, request for request (issue 43: unseeded,
+    the modes of one run produced 641/704/577/669 tokens)."""
     from backend.bench import paired_bench
 
     cfg = paired_bench._serve_config(built_repo)           # as the Triton model reads config.pbtxt
@@ -13,16 +16,18 @@ def test_paired_bench_runs_every_mode_on_the_same_requests(built_repo, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in load_prompts(PROMPTS)[:2]) + "\n")
     args = Namespace(concurrency="1,2", rounds=1, prompts=str(prompts), drafter="prompt-lookup",
-                     model_repository=str(built_repo), temperature=0.0, max_new_tokens=12,
-                     sweep_k="2", json=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
+                     model_repository=str(built_repo), temperature=0.7, max_new_tokens=12, ignore_eos=True,
+                     seed=3, sweep_k="2", json=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
     result = paired_bench.main(args)
     assert json.loads((tmp_path / "r.json").read_text()) == result
+    assert result["provenance"]["machine"]["threads"] >= 1 and (result["seed"], result["ignore_eos"]) == (3, True)
     assert (tmp_path / "r.png").stat().st_size > 0
     rows = result["concurrency"]
     assert [r["n"] for r in rows] == [1, 2]
     for r in rows:
-        # greedy and lossless: every mode emits exactly plain's tokens for the same requests
-        assert r["plain_output_tokens"] > 0
+        # seeded and lossless: every mode emits exactly plain's tokens for the same requests
+        assert r["identical_outputs"] is True
+        assert r["plain_output_tokens"] == 12 * r["requests_per_mode"]
         for m in ("fixed", "auto", "control"):
             assert r[f"{m}_output_tokens"] == r["plain_output_tokens"], m
             assert r[f"{m}_tokens_per_s"] > 0 and r[f"{m}_speedup"] > 0
@@ -30,6 +35,48 @@ def test_paired_bench_runs_every_mode_on_the_same_requests(built_repo, tmp_path)
         assert r["fixed_draft_tokens_per_output_token"] > 0
     assert set(rows[0]["fixed_k_speedup"]) == {"2", "5"}
     assert "auto_vs_best_fixed" in rows[0] and "fixed_k_speedup" not in rows[1]
+
+
+def test_paired_bench_seeds_each_request_alike_in_every_mode_and_passes_ignore_eos():
+    from backend.bench import paired_bench
+
+    args = Namespace(temperature=0.7, max_new_tokens=9, ignore_eos=True)
+    params = paired_bench.sampling_params(args)
+    cache = {json.dumps(p["messages"]): (1, 2, 3) for p in load_prompts(PROMPTS)[:2]}   # no tokenizer needed
+    prompts = load_prompts(PROMPTS)[:2]
+    plain = paired_bench.request_maker(None, params, "none", None, cache, seed=0)
+    fixed = paired_bench.request_maker(None, params, "prompt-lookup", 5, cache, seed=0)
+    other = paired_bench.request_maker(None, params, "none", None, cache, seed=1)
+    reqs = [plain(i, prompts[i % 2]) for i in range(4)]
+    assert all(r.params.ignore_eos and r.params.temperature == 0.7 and r.params.max_tokens == 9 for r in reqs)
+    assert [r.params.seed for r in reqs] == [fixed(i, prompts[i % 2]).params.seed for i in range(4)]
+    assert len({r.params.seed for r in reqs}) == 4                     # a repeated prompt samples anew
+    assert not {r.params.seed for r in reqs} & {other(i, prompts[i % 2]).params.seed for i in range(4)}
+    assert paired_bench.sampling_params(Namespace(temperature=0.0, max_new_tokens=9, ignore_eos=False)).ignore_eos is False
+
+
+def test_paired_bench_row_reads_differing_outputs():
+    """identical_outputs compares each request's tokens, not their counts."""
+    from backend.bench import paired_bench
+
+    class Mode:
+        errors = []
+
+        def __init__(self, name, outputs):
+            self.name, self._outputs = name, outputs
+
+        def outputs(self):
+            return self._outputs
+
+        def row(self):
+            return {"tokens": sum(map(len, self._outputs)), "busy_s": 1.0, "tokens_per_s": 10.0, "step_ms": 1.0,
+                    "mean_accepted_tokens": 1.0, "draft_tokens_per_output_token": 0.0}
+
+    names = ["plain", "fixed", "auto", "control"]
+    same = paired_bench.level_row(1, [Mode(m, [(1, 2), (3,)]) for m in names], names, [], 1.0)
+    assert same["identical_outputs"] is True and same["requests_per_mode"] == 2
+    swapped = [Mode(m, [(1, 2), (3,)]) for m in names[:3]] + [Mode("control", [(2, 1), (3,)])]
+    assert paired_bench.level_row(1, swapped, names, [], 1.0)["identical_outputs"] is False
 
 
 def test_spec_bench_records_outputs_and_seeded_sampling_identity(manifest, tmp_path):

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from backend.bench.provenance import engine_threads, write_result
 from backend.errors import ManifestMissing
 
 MODES = ("plain", "fixed", "auto")
@@ -196,13 +197,14 @@ def main(args) -> dict:
               "rounds": rounds, "order": "ABC CBA (plain, fixed, auto[, control][, fixed K sweep at n=1]; "
                                           "reversed in odd rounds)",
               "concurrency": rows}
-    return write_result(result, args)
+    return write_outputs(result, args, engine_threads())     # the server inherits SPECDEC_THREADS from here
 
 
-def write_result(result: dict, args) -> dict:
-    """Write a load bench's result where --json and --plot ask (both benches)."""
+def write_outputs(result: dict, args, threads: int | None) -> dict:
+    """Write a load bench's result where --json (with its provenance) and --plot ask (both
+    benches); returns what --json holds."""
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(args.json, result, threads)
     if args.plot:
         plot(result, Path(args.plot))
     return result

@@ -8,7 +8,10 @@ client streams, all in this process, and one driver runs ONE scheduler iteration
 one prompt chunk, one batched step) of each mode in turn, in a fresh random order each cycle. A
 mode's throughput is its output tokens over the time of its own iterations. The modes therefore
 meet the machine's slow and fast spells alike, tens of milliseconds apart, and the drift cancels
-out of their ratios. `control` (plain decoding again) reads what remains.
+out of their ratios. `control` (plain decoding again) reads what remains. Every request is seeded
+(the same seed for the same request in every mode, from --seed) and --ignore-eos reaches it, so at
+any temperature the modes decode the same tokens, which each level's row checks
+(`identical_outputs`): a ratio of tokens per second compares the same work.
 
 What it measures is the engine under the server's batching policy (the same Scheduler and
 decoder the Triton model runs), without Triton's per-response cost. That cost is per streamed
@@ -31,9 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.bench.concurrency_bench import add_best_fixed, level_requests, sweep_k_list, write_result
+from backend.bench.concurrency_bench import add_best_fixed, level_requests, sweep_k_list, write_outputs
+from backend.bench.provenance import engine_threads
 from backend.bench.prompt_sets import prompt_ids
-from backend.errors import ManifestMissing
+from backend.errors import ManifestMissing, UserError
 
 
 def _serve_config(repo: Path):
@@ -48,14 +52,16 @@ def _serve_config(repo: Path):
 
 
 class _Sink:
-    __slots__ = ("done", "tokens", "stats", "failed")
+    __slots__ = ("done", "ids", "stats", "failed")
 
     def __init__(self):
         self.done = threading.Event()
-        self.tokens, self.stats, self.failed = 0, None, None
+        self.ids: list[int] = []
+        self.stats, self.failed = None, None
 
     def send(self, out) -> None:
-        self.tokens, self.stats = out.num_output_tokens, out.stats
+        self.ids.extend(out.new_ids)
+        self.stats = out.stats
 
     def error(self, exc, internal) -> None:
         self.failed = f"{type(exc).__name__}: {exc}"
@@ -76,11 +82,11 @@ class _Mode:
         self.name = name
         self.sched = Scheduler(decoder, max_batch, start=False)
         self.work: queue.Queue = queue.Queue()
-        for p in prompts:
-            self.work.put(p)
+        for i, p in enumerate(prompts):
+            self.work.put((i, p))
         self.make_request = make_request
         self.busy_s, self.iterations = 0.0, 0
-        self.results: list[tuple[int, object]] = []
+        self.results: dict[int, tuple[tuple[int, ...], object]] = {}     # request index -> (ids, stats)
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
@@ -88,42 +94,63 @@ class _Mode:
     def _client(self) -> None:
         while True:
             try:
-                p = self.work.get_nowait()
+                i, p = self.work.get_nowait()
             except queue.Empty:
                 return
             sink = _Sink()
-            self.sched.submit(self.make_request(p), sink)
+            self.sched.submit(self.make_request(i, p), sink)
             sink.done.wait()
             with self.lock:
                 if sink.failed:
                     self.errors.append(sink.failed)
                 else:
-                    self.results.append((sink.tokens, sink.stats))
+                    self.results[i] = (tuple(sink.ids), sink.stats)
 
     def running(self) -> bool:
         return any(t.is_alive() for t in self.threads)
 
+    def outputs(self) -> list[tuple[int, ...]]:
+        """Each request's output ids, in request order."""
+        return [self.results[i][0] for i in sorted(self.results)]
+
     def row(self) -> dict:
-        tokens = sum(t for t, _ in self.results)
-        taus = [s.mean_accepted_tokens for _, s in self.results if s is not None]
-        drafts = sum(s.num_draft_tokens for _, s in self.results if s is not None)
+        tokens = sum(len(ids) for ids, _ in self.results.values())
+        taus = [s.mean_accepted_tokens for _, s in self.results.values() if s is not None]
+        drafts = sum(s.num_draft_tokens for _, s in self.results.values() if s is not None)
         return {"tokens": tokens, "busy_s": self.busy_s, "tokens_per_s": tokens / self.busy_s,
                 "step_ms": 1000 * self.busy_s / max(1, self.iterations),
                 "mean_accepted_tokens": float(np.mean(taus)) if taus else 1.0,
                 "draft_tokens_per_output_token": drafts / max(1, tokens)}
 
 
-def request_maker(tok, params, kind: str, k: int | None, cache: dict):
-    """prompt record -> Request for one mode (drafter `kind`, fixed budget `k` or None); the
-    chat-templated ids are tokenized once per prompt across modes (`cache`)."""
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of a level's request `index` under the run's `seed` (--seed): the same
+    in every mode, so at a temperature > 0 every mode samples the same answer (seeded speculative
+    output equals seeded plain sampling, DESIGN.md) and the modes' output tokens stay comparable."""
+    assert 0 <= seed < 2**32 and 0 <= index < 2**32, (seed, index)
+    return (seed << 32) | index
+
+
+def sampling_params(args):
+    """Every request's sampling (--temperature, --max-new-tokens, --ignore-eos); each request
+    then takes its own seed (request_seed)."""
+    from backend.config import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+
+
+def request_maker(tok, params, kind: str, k: int | None, cache: dict, seed: int = 0):
+    """(request index, prompt record) -> Request for one mode (drafter `kind`, fixed budget `k`
+    or None), seeded by request_seed(seed, index); the chat-templated ids are tokenized once per
+    prompt across modes (`cache`)."""
     from backend.config import DrafterKind
     from backend.sequence import Request
 
-    def make(p):
+    def make(index: int, p: dict):
         key = json.dumps(p["messages"])
         if key not in cache:
             cache[key] = tuple(prompt_ids(tok, p["messages"]))
-        return Request(cache[key], params, DrafterKind(kind), k)
+        return Request(cache[key], dataclasses.replace(params, seed=request_seed(seed, index)), DrafterKind(kind), k)
     return make
 
 
@@ -153,14 +180,45 @@ def run_level(modes: list[_Mode], seed: int) -> None:
         m.sched.close()
 
 
+def level_row(n: int, modes: list[_Mode], main_modes: list[str], sweep_ks: list[int], wall: float) -> dict:
+    """One level's row (printed too): each main mode's throughput, step time, E[tau] and drafts
+    per token, the ratios to plain, whether every mode's outputs equal plain's request for
+    request, and the fixed-K sweep where it ran."""
+    failed = [f"{m.name}: {e}" for m in modes for e in m.errors]
+    if failed:
+        raise SystemExit(f"n={n}: {len(failed)} request(s) failed, e.g. {failed[0]}")
+    res = {m.name: m.row() for m in modes}
+    plain = next(m for m in modes if m.name == "plain").outputs()
+    row = {"n": n, "requests_per_mode": len(plain), "wall_s": round(wall, 1),
+           "identical_outputs": all(m.outputs() == plain for m in modes)}
+    for m in main_modes:
+        r = res[m]
+        row[f"{m}_tokens_per_s"] = round(r["tokens_per_s"], 2)
+        row[f"{m}_output_tokens"] = r["tokens"]
+        row[f"{m}_step_ms"] = round(r["step_ms"], 2)
+        row[f"{m}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
+        row[f"{m}_draft_tokens_per_output_token"] = round(r["draft_tokens_per_output_token"], 3)
+    for m in ("fixed", "auto", "control"):
+        row[f"{m}_speedup"] = round(row[f"{m}_tokens_per_s"] / row["plain_tokens_per_s"], 3)
+    if sweep_ks:
+        add_best_fixed(row, {k: res[f"k{k}"]["tokens_per_s"] for k in sweep_ks})
+    print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 x{row['fixed_speedup']:.3f} "
+          f"(E[tau] {row['fixed_mean_accepted_tokens']:.2f})  auto x{row['auto_speedup']:.3f} (E[tau] "
+          f"{row['auto_mean_accepted_tokens']:.2f}, drafts/token {row['auto_draft_tokens_per_output_token']:.2f})"
+          f"  A/A control x{row['control_speedup']:.3f}  outputs identical: {row['identical_outputs']}"
+          f"  [{wall:.0f} s]", flush=True)
+    return row
+
+
 def main(args) -> dict:
     from backend.build.pipeline import ENGINE_SUBDIR
     from backend.bench.prompt_sets import load_prompts
-    from backend.config import SamplingParams
     from backend.engine import make_decoder
     from backend.runtime.ort import shared_sessions
 
     levels = [int(x) for x in str(args.concurrency).split(",")]
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2**32), got {args.seed}")
     rounds = max(1, int(getattr(args, "rounds", 2)))
     prompts = load_prompts(args.prompts)
     drafter = args.drafter.partition(":")[0]
@@ -178,7 +236,7 @@ def main(args) -> dict:
     with shared_sessions():
         dec = {m: make_decoder(cfg) for m in ("plain", "control", "auto", "fixed")}
     tok = dec["plain"].tok
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+    params = sampling_params(args)
     ids: dict = {}
 
     specs = {"plain": (dec["plain"], "none", None), "fixed": (dec["fixed"], drafter, 5),
@@ -189,8 +247,8 @@ def main(args) -> dict:
     main_modes = ["plain", "fixed", "auto", "control"]
 
     def modes_for(names, reqs, n):
-        return [_Mode(m, specs[m][0], cfg.max_batch, request_maker(tok, params, specs[m][1], specs[m][2], ids), reqs, n)
-                for m in names]
+        return [_Mode(m, specs[m][0], cfg.max_batch,
+                      request_maker(tok, params, specs[m][1], specs[m][2], ids, args.seed), reqs, n) for m in names]
 
     # warm-up, not measured: ORT's first-call allocations, the controller's first estimates
     kinds = list({p.get("kind"): p for p in prompts}.values())
@@ -203,29 +261,11 @@ def main(args) -> dict:
         t0 = time.perf_counter()
         run_level(modes, seed=n)
         wall = time.perf_counter() - t0
-        failed = [f"{m.name}: {e}" for m in modes for e in m.errors]
-        if failed:
-            raise SystemExit(f"n={n}: {len(failed)} request(s) failed, e.g. {failed[0]}")
-        res = {m.name: m.row() for m in modes}
-        row = {"n": n, "requests_per_mode": len(reqs), "wall_s": round(wall, 1)}
-        for m in main_modes:
-            r = res[m]
-            row[f"{m}_tokens_per_s"] = round(r["tokens_per_s"], 2)
-            row[f"{m}_output_tokens"] = r["tokens"]
-            row[f"{m}_step_ms"] = round(r["step_ms"], 2)
-            row[f"{m}_mean_accepted_tokens"] = round(r["mean_accepted_tokens"], 3)
-            row[f"{m}_draft_tokens_per_output_token"] = round(r["draft_tokens_per_output_token"], 3)
-        for m in ("fixed", "auto", "control"):
-            row[f"{m}_speedup"] = round(row[f"{m}_tokens_per_s"] / row["plain_tokens_per_s"], 3)
-        if n == 1 and sweep_ks:
-            add_best_fixed(row, {k: res[f"k{k}"]["tokens_per_s"] for k in sweep_ks})
-        rows.append(row)
-        print(f"n={n:<3d} plain {row['plain_tokens_per_s']:7.1f} tok/s  fixed K=5 x{row['fixed_speedup']:.3f} "
-              f"(E[tau] {row['fixed_mean_accepted_tokens']:.2f})  auto x{row['auto_speedup']:.3f} (E[tau] "
-              f"{row['auto_mean_accepted_tokens']:.2f}, drafts/token {row['auto_draft_tokens_per_output_token']:.2f})"
-              f"  A/A control x{row['control_speedup']:.3f}  [{wall:.0f} s]", flush=True)
+        rows.append(level_row(n, modes, main_modes, sweep_ks if n == 1 else [], wall))
     result = {"drafter": drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "seed": args.seed, "ignore_eos": args.ignore_eos,
               "method": "paired: the modes time-sliced in one process, one scheduler iteration each in "
-                        "random order per cycle; tokens per second of each mode's own iteration time",
+                        "random order per cycle; tokens per second of each mode's own iteration time; "
+                        "request i of a level sampled with seed (seed << 32) | i in every mode",
               "concurrency": rows}
-    return write_result(result, args)
+    return write_outputs(result, args, engine_threads(cfg.runtime))

@@ -15,15 +15,14 @@
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from backend.bench.paired_bench import _Mode, _serve_config, run_level
 from backend.bench.prompt_sets import load_prompts, prompt_ids
+from backend.bench.provenance import engine_threads, write_result
 from backend.errors import ManifestMissing
 
 
@@ -117,7 +116,7 @@ def throughput(cfg, tok, prompts, system_tokens: int, n: int, requests: int, max
     ids = [tuple(prompt_ids(tok, [{"role": "system", "content": system}] + p["messages"])) for p in chats]
     params = SamplingParams(max_tokens=max_new_tokens)
     work = list(range(len(ids)))
-    make = lambda i: Request(ids[i], params, DrafterKind(drafter))
+    make = lambda i, _: Request(ids[i], params, DrafterKind(drafter))
     decs = {"cache_on": make_decoder(cfg), "cache_off": make_decoder(replace(cfg, prefix_cache_mb=0))}
     modes = [_Mode(name, d, cfg.max_batch, make, work, n) for name, d in decs.items()]
     t0 = time.perf_counter()
@@ -154,9 +153,7 @@ def main(args) -> dict:
     dec = make_decoder(cfg)
     tok = dec.tok
     print(f"TTFT, {args.prefix_tokens}-token shared prefix + {args.question_tokens}-token question:", flush=True)
-    result = {"command": "specdec " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-              "prefix_cache_mb": cfg.prefix_cache_mb, "runtime": type(dec.target).__name__,
-              "threads": getattr(dec.target, "threads", None),
+    result = {"prefix_cache_mb": cfg.prefix_cache_mb, "runtime": type(dec.target).__name__,
               "ttft": ttft(dec, tok, prompts, args.prefix_tokens, args.question_tokens, args.reps)}
     t = result["ttft"]
     print(f"  median miss {t['median_ttft_miss_s']:.3f} s, hit {t['median_ttft_hit_s']:.3f} s: "
@@ -170,5 +167,5 @@ def main(args) -> dict:
                                            args.max_new_tokens, args.drafter)
                                 for n in str(args.concurrency).split(",")]
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        result = write_result(args.json, result, engine_threads(cfg.runtime))
     return result
