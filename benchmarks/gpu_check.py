@@ -50,7 +50,7 @@ STEPS = {
     "kernels": ("`specdec check-kernels`: tree attention, verify, their TensorRT-plugin variants "
                 "and the engine graph against the numpy references",
                 "attention max |err| <= 1e-3 and bitwise invariant; verify identical",
-                "plugins/kernels.py tree_attention / verify (cases: backend/bench/kernel_check.py)", 80),
+                "plugins/kernels.py tree_attention / verify (cases: backend/bench/kernel_check.py)", 90),
     "logits": ("the torch runtime on the device (fp32, bf16) vs the CPU runtime (fp32, references), "
                "random 135M-shaped weights, same prompt", "fp32 relative diff <= 1e-3; bf16 top-1 >= 0.9",
                "backend/runtime/torch_model.py TorchModel.forward; backend/runtime/torch_rt.py _SlotKV.attend", 20),
@@ -68,7 +68,7 @@ STEPS = {
                     "backend/runtime/torch_rt.py TorchRuntime._compute", 25),
     "cost_curves": ("cost(T)/cost(1) for T in 1..64 at batch 1, 8, 32: 135M shape, 8B shape at batch 8, 32 "
                     "(each point's ms, bytes, GB/s, fraction of bandwidth)",
-                    "recorded (the build measures its own)", "benchmarks/gpu_timing.py cost_curve", 60),
+                    "recorded (the build measures its own)", "benchmarks/gpu_timing.py cost_curve", 50),
     "fp8_hardware": ("which FP8 recipes torch._scaled_mm runs here, equal to the emulation",
                      "channel-tensor and channel-token in hardware (block128 reported)",
                      "backend/runtime/torch_model.py hardware_fp8, Linear._scaled_mm", 5),
