@@ -69,7 +69,7 @@ def tiny_native_engine(tmp_path_factory):
 def _both(kind, data, rows, cols, x, threads, wide):
     native.use_tiles(False)
     vnni = native.blocked_matmul(kind, data, rows, cols, x, threads=threads, wide=wide)
-    assert native.use_tiles(True) == "amx"
+    assert native.use_tiles(True, always=True) == "amx"
     tiles = native.blocked_matmul(kind, data, rows, cols, x, threads=threads, wide=wide)
     return vnni, tiles
 
@@ -90,6 +90,7 @@ def test_tiles_give_the_vnni_bits_for_every_kind_width_and_row_count(qtype):
 
 @needs_tiles
 def test_tiles_keep_rows_independent_of_the_batch():
+    native.use_tiles(True, always=True)
     kind, data, rows, cols = matrix([_tensor("Q4_K", n=32, k=256)])
     x = np.random.default_rng(5).standard_normal((20, cols)).astype(np.float32)
     batch = native.blocked_matmul(kind, data, rows, cols, x, threads=2)
@@ -103,10 +104,13 @@ def test_an_engine_s_logits_on_tiles_equal_the_vnni_path_s(tiny_native_engine):
     run = tiny_native_engine
     native.use_tiles(False)
     vnni = run()
-    native.use_tiles(True)
+    native.use_tiles(True, always=True)
     tiles = run()
-    for a, b in zip(vnni, tiles):
+    native.use_tiles(True)
+    auto = run()
+    for a, b, c in zip(vnni, tiles, auto):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
 
 
 def _isa_in_subprocess(value: str) -> subprocess.CompletedProcess:

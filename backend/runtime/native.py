@@ -150,7 +150,7 @@ def library() -> ctypes.CDLL:
         lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
         lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
         lib.sd_matmul.restype = ctypes.c_int
-        on = lib.sd_use_tiles(int(want in ("auto", "amx")))
+        on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
         if want == "amx" and not on:
             raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
                             "XCR0 and the Linux permission request); unset it to run the vector path")
@@ -163,10 +163,14 @@ def library() -> ctypes.CDLL:
     return _LIB
 
 
-def use_tiles(on: bool) -> str:
-    """Tiles on or off for the loaded library (between forwards); the path now in use. For A/B
-    runs in one process (`specdec bench-engine --isa`, the bitwise tests)."""
-    library().sd_use_tiles(int(on))
+TILES_OFF, TILES_AUTO, TILES_ALWAYS = 0, 1, 2      # kernels.h tiles_select's modes
+
+
+def use_tiles(on: bool, always: bool = False) -> str:
+    """Tiles on (where they measured faster; always: for every kind and row count, the bitwise
+    tests) or off for the loaded library, between forwards; the path now in use. For A/B runs in
+    one process (`specdec bench-engine --isa`, the tests)."""
+    library().sd_use_tiles(TILES_OFF if not on else TILES_ALWAYS if always else TILES_AUTO)
     return isa()
 
 

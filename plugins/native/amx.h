@@ -30,102 +30,178 @@
 
 #if SD_AMX
 #include <cpuid.h>
+#include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define SD_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
 #define TILE_ROWS 16            /* int8 rows per tile (whole pairs of wide rows) */
-/* from how many int8 rows a matmul runs on tiles: 1 and 2 rows (a plain step, narrow or wide)
-   measured faster on tiles too (perf-notes §25) */
-#define TILE_MIN_ROWS 1
+static int tiles_on;            /* TILES_*: set by tiles_select between forwards, read by matmul */
 
-static int tiles_on;            /* set by tiles_select between forwards, read by matmul */
+/* from how many int8 rows a matmul of this kind runs on tiles (TILES_AUTO): where tiles measured
+   faster, 1 and 2 threads (perf-notes §25): a round of tile dots costs about what 2-3 rows of VNNI
+   dots cost, so a plain step and a short verify stay on VNNI; Q6_K's half tiles never paid */
+static inline int tile_min_rows(int type) {
+    if (tiles_on == TILES_ALWAYS) return 1;
+    return type == SD_Q6_K ? INT32_MAX : 10;
+}
 
-/* tiles: 0 the dots (C), 1 the activations (A, 32 bytes a row), 2 the weights (B, 8 rows);
-   Q6_K's halves: 3 the second dots, 4 and 5 the activation halves (16 bytes), 6 and 7 the weight
-   halves (4 rows) */
+/* A group's blocks are decoded first, all of them, into its weight tiles (kind_blocks with the
+   tile consumers below), then every row tile runs over them: a tile load never reads weights the
+   vector units stored a moment ago (no store forwarding into tile loads), and a prefill's row
+   tiles decode each block once. A round issues up to ROUND blocks' dots together (tiles 0-3 the
+   dots, 4/5 the activations and 6/7 the weights in turn; Q6_K: 2 blocks as two halves of 16
+   each); round n's epilogue runs after round n+1's dots are issued (two buffers of dots). */
+#define ROUND 4
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
 
-static SD_AMX_TARGET void tiles_config(int m) {
+/* m int8 rows per tile; q6: the half tiles (16 bytes of activations, 4 weight rows) */
+static SD_AMX_TARGET void tiles_config(int m, int q6) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    const uint8_t rows[8] = {(uint8_t)m, (uint8_t)m, 8, (uint8_t)m, (uint8_t)m, (uint8_t)m, 4, 4};
-    const uint16_t colsb[8] = {64, 32, 64, 64, 16, 16, 64, 64};
-    for (int i = 0; i < 8; i++) c.rows[i] = rows[i], c.colsb[i] = colsb[i];
+    for (int i = 0; i < 4; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = 64;
+    for (int i = 4; i < 6; i++) c.rows[i] = (uint8_t)m, c.colsb[i] = q6 ? 16 : 32;
+    for (int i = 6; i < 8; i++) c.rows[i] = q6 ? 4 : 8, c.colsb[i] = 64;
     /* not _tile_loadconfig: GCC 12's macro names only the first 8 bytes as read, and the stores
        of the rest are dropped as dead; the whole struct is the operand here */
     __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
 
-/* one thread's tile scratch for one group and up to TILE_ROWS rows: the decoded weight tile, the
-   dots, the accumulators (the VNNI path's acc.d / acc.m, one per row) */
+enum { TILE_DM, TILE_DZ, TILE_Q6 };
+
+typedef struct { vf dw, mw; vi sc0, sc1; } tile_scales;   /* a block's: rows_dm / rows_dz / rows_q6's */
+
+/* one group's decoded blocks (32 elements each), in the caller's scratch */
 typedef struct {
-    _Alignas(64) uint8_t w[8][64];
-    _Alignas(64) int32_t s[2][TILE_ROWS][LANES];
-    vf d[TILE_ROWS], m[TILE_ROWS];
+    uint8_t (*w)[8][64];                /* [blocks] block b's weights as a tile: row c = wv[c] */
+    const uint8_t **wb;                 /* [blocks] where block b's weight tile is: w[b], or Q8_0's
+                                           own integers, which are that tile as they are */
+    tile_scales *sc;                    /* [blocks] */
+    int kind, zero;
 } tiles;
 
-/* t->s[0] = the exact dots of rows r0 .. r0 + nr (the tile config's rows) with block b's wv */
-static inline SD_AMX_TARGET void tile_dots(tiles *t, const vi *wv, const act_q *a, int r0, int b) {
-    for (int c = 0; c < 8; c++) _mm512_store_si512(t->w[c], wv[c]);
-    _tile_loadd(2, t->w, 64);
-    _tile_loadd(1, a->q + (size_t)r0 * a->k + (size_t)b * QBLOCK, a->k);
-    _tile_zero(0);
-    _tile_dpbsud(0, 1, 2);
-    _tile_stored(0, t->s[0], 64);
+/* the consumers kind_blocks calls per block: its weights and scales kept for the row tiles */
+static inline void tile_keep(tiles *t, const vi *wv, vf dw, vf mw, vi sc0, vi sc1, int b) {
+    for (int c = 0; c < 8; c++) vi_store(t->w[b][c], wv[c]);
+    t->wb[b] = t->w[b][0];
+    t->sc[b] = (tile_scales){dw, mw, sc0, sc1};
 }
 
-/* rows_dm on tiles */
-static inline SD_AMX_TARGET void tile_dm(tiles *t, const vi *wv, vf dw, vf mw, const act_q *a, int r0, int nr,
-                                         int b) {
-    tile_dots(t, wv, a, r0, b);
-    for (int r = 0; r < nr; r++) {
-        size_t at = (size_t)(r0 + r) * (a->k / QBLOCK) + b;
-        float dx = a->d[at];
-        t->m[r] = vf_fmadd(mw, vf_set1(dx * (float)a->sum[at]), t->m[r]);
-        t->d[r] = vf_fmadd(vf_of_i32(vi_load(t->s[0][r])), vf_mul(dw, vf_set1(dx)), t->d[r]);
+/* Q8_0: its integers are read by the tile load where they lie (no decode, no copy) */
+static inline void tile_q8(tiles *t, const uint8_t *qs, vf dw, int b) {
+    t->zero = 128;
+    t->wb[b] = qs;
+    t->sc[b].dw = dw;
+}
+
+static inline void tile_dm(tiles *t, const vi *wv, vf dw, vf mw, int b) {
+    tile_keep(t, wv, dw, mw, vi_zero(), vi_zero(), b);
+}
+
+static inline void tile_dz(tiles *t, const vi *wv, vf dw, int zero, int b) {
+    t->zero = zero;
+    tile_keep(t, wv, dw, vf_zero(), vi_zero(), vi_zero(), b);
+}
+
+static inline void tile_q6(tiles *t, const vi *wv, vi sc0, vi sc1, vf dw, int b) {
+    tile_keep(t, wv, dw, vf_zero(), sc0, sc1, b);
+}
+
+/* the dots of blocks b0 .. b0 + n of rows q (a->k apart) into s: tile j of C from the activation
+   tile ta and the weight tile tb */
+#define DOT32(j, ta, tb)                                                                          \
+    if (n > j) {                                                                                  \
+        _tile_loadd(tb, t->wb[b0 + j], 64);                                                       \
+        _tile_loadd(ta, q + (size_t)(b0 + j) * QBLOCK, k);                                        \
+        _tile_zero(j);                                                                            \
+        _tile_dpbsud(j, ta, tb);                                                                  \
+    }
+#define DOT16(j, h, ta, tb)                                                                       \
+    if (n > j / 2) {                                                                              \
+        _tile_loadd(tb, t->wb[b0 + j / 2] + 256 * h, 64);                                         \
+        _tile_loadd(ta, q + (size_t)(b0 + j / 2) * QBLOCK + 16 * h, k);                           \
+        _tile_zero(j);                                                                            \
+        _tile_dpbsud(j, ta, tb);                                                                  \
+    }
+#define STORE(j)                                                                                  \
+    if (slots > j) _tile_stored(j, s[j], 64);
+
+static inline SD_AMX_TARGET void round_dots(const tiles *t, const int8_t *q, int k, int b0, int n,
+                                            int32_t (*s)[TILE_ROWS][LANES]) {
+    const int slots = t->kind == TILE_Q6 ? 2 * n : n;
+    if (t->kind == TILE_Q6) {
+        DOT16(0, 0, 4, 6) DOT16(1, 1, 5, 7) DOT16(2, 0, 4, 6) DOT16(3, 1, 5, 7)
+    } else {
+        DOT32(0, 4, 6) DOT32(1, 5, 7) DOT32(2, 4, 6) DOT32(3, 5, 7)
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3)
+}
+
+/* blocks b0 .. b0 + n's scales on their dots s, per row over the blocks in order (rows_dm /
+   rows_dz / rows_q6's operations), into the accumulators d, m of rows r0 .. r0 + nr */
+static inline void round_epilogue(const tiles *t, const act_q *a, int r0, int nr, int b0, int n,
+                                  int32_t (*s)[TILE_ROWS][LANES], vf *d, vf *m) {
+    const size_t nb = a->k / QBLOCK;
+    const tile_scales *sc = t->sc + b0;
+    if (t->kind == TILE_DM) {
+        for (int r = 0; r < nr; r++) {
+            const float *dx = a->d + (size_t)(r0 + r) * nb + b0, *ds = a->dsum + (size_t)(r0 + r) * nb + b0;
+            vf dr = d[r], mr = m[r];
+            for (int j = 0; j < n; j++) {
+                mr = vf_fmadd(sc[j].mw, vf_set1(ds[j]), mr);
+                dr = vf_fmadd(vf_of_i32(vi_load(s[j][r])), vf_mul(sc[j].dw, vf_set1(dx[j])), dr);
+            }
+            d[r] = dr, m[r] = mr;
+        }
+    } else if (t->kind == TILE_DZ) {
+        for (int r = 0; r < nr; r++) {
+            const size_t at = (size_t)(r0 + r) * nb + b0;
+            vf dr = d[r];
+            for (int j = 0; j < n; j++) {
+                vi si = vi_sub32(vi_load(s[j][r]), vi_set1_32(t->zero * a->sum[at + j]));
+                dr = vf_fmadd(vf_of_i32(si), vf_mul(sc[j].dw, vf_set1(a->d[at + j])), dr);
+            }
+            d[r] = dr;
+        }
+    } else {
+        for (int r = 0; r < nr; r++) {
+            const size_t at = (size_t)(r0 + r) * nb + b0;
+            vf dr = d[r];
+            for (int j = 0; j < n; j++) {
+                int32_t lo = sum16(a->q + (size_t)(r0 + r) * a->k + (size_t)(b0 + j) * QBLOCK), hi = a->sum[at + j] - lo;
+                vi s0 = vi_sub32(vi_load(s[2 * j][r]), vi_set1_32(32 * lo));
+                vi s1 = vi_sub32(vi_load(s[2 * j + 1][r]), vi_set1_32(32 * hi));
+                vi si = vi_add32(vi_mul32(s0, sc[j].sc0), vi_mul32(s1, sc[j].sc1));
+                dr = vf_fmadd(vf_of_i32(si), vf_mul(sc[j].dw, vf_set1(a->d[at + j])), dr);
+            }
+            d[r] = dr;
+        }
     }
 }
 
-/* rows_dz on tiles */
-static inline SD_AMX_TARGET void tile_dz(tiles *t, const vi *wv, vf dw, int zero, const act_q *a, int r0, int nr,
-                                         int b) {
-    tile_dots(t, wv, a, r0, b);
-    for (int r = 0; r < nr; r++) {
-        size_t at = (size_t)(r0 + r) * (a->k / QBLOCK) + b;
-        vi s = vi_sub32(vi_load(t->s[0][r]), vi_set1_32(zero * a->sum[at]));
-        t->d[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(a->d[at])), t->d[r]);
+/* out [nr][LANES] = the group's outputs for int8 rows r0 .. r0 + nr over its nblk decoded blocks
+   (the tiles configured for nr rows): round i's dots issued, then round i - 1's epilogue (its dots
+   were issued a round earlier), two buffers of dots */
+static SD_AMX_TARGET void tile_rows(const tiles *t, const act_q *a, int r0, int nr, int nblk, float out[][LANES]) {
+    _Alignas(64) int32_t s[2][ROUND][TILE_ROWS][LANES];
+    vf d[TILE_ROWS], m[TILE_ROWS];
+    for (int r = 0; r < nr; r++) d[r] = m[r] = vf_zero();
+    const int8_t *q = a->q + (size_t)r0 * a->k;
+    const int per = t->kind == TILE_Q6 ? ROUND / 2 : ROUND, rounds = (nblk + per - 1) / per;
+    for (int i = 0; i <= rounds; i++) {
+        if (i < rounds) round_dots(t, q, a->k, i * per, nblk - i * per < per ? nblk - i * per : per, s[i & 1]);
+        if (i > 0) {
+            const int b0 = (i - 1) * per;
+            round_epilogue(t, a, r0, nr, b0, nblk - b0 < per ? nblk - b0 : per, s[(i - 1) & 1], d, m);
+        }
     }
-}
-
-/* rows_q6 on tiles: the block's two halves of 16 on half tiles */
-static inline SD_AMX_TARGET void tile_q6(tiles *t, const vi *wv, vi sc0, vi sc1, vf dw, const act_q *a, int r0,
-                                         int nr, int b) {
-    for (int c = 0; c < 8; c++) _mm512_store_si512(t->w[c], wv[c]);
-    const int8_t *q0 = a->q + (size_t)r0 * a->k + (size_t)b * QBLOCK;
-    _tile_loadd(6, t->w[0], 64);
-    _tile_loadd(7, t->w[4], 64);
-    _tile_loadd(4, q0, a->k);
-    _tile_loadd(5, q0 + 16, a->k);
-    _tile_zero(0);
-    _tile_zero(3);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(3, 5, 7);
-    _tile_stored(0, t->s[0], 64);
-    _tile_stored(3, t->s[1], 64);
-    for (int r = 0; r < nr; r++) {
-        size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        int32_t lo = sum16(a->q + row * a->k + (size_t)b * QBLOCK), hi = a->sum[at] - lo;
-        vi s0 = vi_sub32(vi_load(t->s[0][r]), vi_set1_32(32 * lo));
-        vi s1 = vi_sub32(vi_load(t->s[1][r]), vi_set1_32(32 * hi));
-        vi s = vi_add32(vi_mul32(s0, sc0), vi_mul32(s1, sc1));
-        t->d[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(a->d[at])), t->d[r]);
-    }
+    for (int r = 0; r < nr; r++) vf_store(out[r], vf_add(d[r], m[r]));
 }
 
 /* CPUID AMX-TILE and AMX-INT8, the OS's XCR0 tile state, and Linux's permission for this process */
@@ -138,15 +214,15 @@ static int tiles_available(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
-int tiles_select(int on) {
+int tiles_select(int mode) {
     static int available = -1;
-    if (on && available < 0) available = tiles_available();
-    tiles_on = on && available > 0;
+    if (mode != TILES_OFF && available < 0) available = tiles_available();
+    tiles_on = available > 0 ? mode : TILES_OFF;
     return tiles_on;
 }
 #else
 typedef struct tiles tiles;     /* never defined: the tile path is not compiled for this CPU */
-int tiles_select(int on) { (void)on; return 0; }
+int tiles_select(int mode) { (void)mode; return TILES_OFF; }
 #endif
 
 #endif

@@ -193,7 +193,8 @@ static size_t carve(const sd_model *m, const sd_step *s, uint8_t *base, buffers 
     b->zero_col = take(base, &used, sizeof(uint16_t) * MAX_HEAD_DIM);
     const size_t qrows = arows * (m->wide ? 2 : 1);        /* wide: two int8 rows per row */
     b->a = (act_q){take(base, &used, qrows * kmax), take(base, &used, sizeof(float) * qrows * kmax / QBLOCK),
-                   take(base, &used, sizeof(int32_t) * qrows * kmax / QBLOCK), (int)h, 0};
+                   take(base, &used, sizeof(int32_t) * qrows * kmax / QBLOCK),
+                   take(base, &used, sizeof(float) * qrows * kmax / QBLOCK), (int)h, 0};
     return used;
 }
 
@@ -409,12 +410,11 @@ int sd_abi(int64_t *out, int n) {
 
 static int tiles_in_use;
 
-/* 1: run the matmul's block dots on AMX tiles where the CPU and the OS have them (kernels.h
- * tiles_select; bitwise the VNNI path's), 0: the path this build compiled; between forwards only.
- * Returns whether tiles are on. runtime/native.py calls it once when it loads the library
- * (SPECDEC_ISA). */
-int sd_use_tiles(int on) {
-    tiles_in_use = tiles_select(on);
+/* kernels.h tiles_select's modes (TILES_OFF | TILES_AUTO | TILES_ALWAYS; bitwise the VNNI
+ * path's on every one); between forwards only. Returns the mode in force. runtime/native.py calls
+ * it once when it loads the library (SPECDEC_ISA). */
+int sd_use_tiles(int mode) {
+    tiles_in_use = tiles_select(mode);
     return tiles_in_use;
 }
 
@@ -437,8 +437,9 @@ const char *sd_isa(void) {
 int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int threads, int wide) {
     const size_t nb = w->cols / QBLOCK, qrows = (size_t)rows * (wide ? 2 : 1);
     act_q a = {alloc_lines(qrows * w->cols), alloc_lines(sizeof(float) * qrows * nb),
-               alloc_lines(sizeof(int32_t) * qrows * nb), w->cols, wide != 0};
-    int ok = a.q && a.d && a.sum && w->cols % QBLOCK == 0 && usable(w);
+               alloc_lines(sizeof(int32_t) * qrows * nb), alloc_lines(sizeof(float) * qrows * nb), w->cols,
+               wide != 0};
+    int ok = a.q && a.d && a.sum && a.dsum && w->cols % QBLOCK == 0 && usable(w);
     if (ok) {
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
         {
@@ -446,6 +447,6 @@ int sd_matmul(const sd_matrix *w, const float *x, int rows, float *y, int thread
             matmul(w, &a, rows, y, w->rows, w->rows, 0, NULL);
         }
     }
-    free(a.q); free(a.d); free(a.sum);
+    free(a.q); free(a.d); free(a.sum); free(a.dsum);
     return ok ? 0 : -1;
 }

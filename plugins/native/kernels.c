@@ -36,8 +36,9 @@ int kernel_abi(int64_t *out) {
 
 /* ---- activations ------------------------------------------------------------------------- */
 
-/* one block of 32: q = round(x / db), db = amax / 127 (0 for an all-zero block), sum = sum q */
-static void quantize_block(const float *xb, int8_t *q, float *d, int32_t *sum) {
+/* one block of 32: q = round(x / db), db = amax / 127 (0 for an all-zero block), sum = sum q,
+   dsum = db * sum (the offset kinds' factor, computed once here instead of per weight group) */
+static void quantize_block(const float *xb, int8_t *q, float *d, int32_t *sum, float *dsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -65,13 +66,14 @@ static void quantize_block(const float *xb, int8_t *q, float *d, int32_t *sum) {
     _mm256_storeu_si256((__m256i *)q, p8);
     *d = db;
     *sum = total;
+    *dsum = db * (float)total;
 }
 
 /* row r of x into int8 row r (narrow) or rows 2r, 2r + 1 (wide: the blocks, then their residuals) */
-static void quantize_row(const float *x, int k, int wide, int8_t *q, float *d, int32_t *sum) {
+static void quantize_row(const float *x, int k, int wide, int8_t *q, float *d, int32_t *sum, float *dsum) {
     const int nb = k / QBLOCK;
     for (int b = 0; b < nb; b++) {
-        quantize_block(x + b * QBLOCK, q + b * QBLOCK, d + b, sum + b);
+        quantize_block(x + b * QBLOCK, q + b * QBLOCK, d + b, sum + b, dsum + b);
         if (!wide) continue;
         float res[QBLOCK];
         const __m256 db = _mm256_set1_ps(d[b]);
@@ -79,7 +81,7 @@ static void quantize_row(const float *x, int k, int wide, int8_t *q, float *d, i
             __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + b * QBLOCK + i))));
             _mm256_storeu_ps(res + i, _mm256_sub_ps(_mm256_loadu_ps(x + b * QBLOCK + i), _mm256_mul_ps(db, qf)));
         }
-        quantize_block(res, q + k + b * QBLOCK, d + nb + b, sum + nb + b);
+        quantize_block(res, q + k + b * QBLOCK, d + nb + b, sum + nb + b, dsum + nb + b);
     }
 }
 
@@ -88,7 +90,7 @@ void quantize_rows(const float *x, int rows, int ldx, act_q *a) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++)
         quantize_row(x + (size_t)r * ldx, a->k, a->wide, a->q + (size_t)r * per * a->k,
-                     a->d + (size_t)r * per * nb, a->sum + (size_t)r * per * nb);
+                     a->d + (size_t)r * per * nb, a->sum + (size_t)r * per * nb, a->dsum + (size_t)r * per * nb);
 }
 
 /* ---- matrix x activations ---------------------------------------------------------------- */
@@ -139,6 +141,7 @@ typedef __m512 vf;
 #define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define vi_zero() _mm512_setzero_si512()
 #define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_store(p, v) _mm512_storeu_si512((void *)(p), v)
 #define vi_load_i8_as_i32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define vi_set1_8(x) _mm512_set1_epi8(x)
 #define vi_set1_32(x) _mm512_set1_epi32(x)
@@ -282,7 +285,7 @@ static inline void rows_dm(const vi *wv, vf dw, vf mw, const act_q *a, int r0, i
         size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
         vi s = block_dot(wv, a->q + row * a->k + (size_t)b * QBLOCK);
         float dx = a->d[at];
-        accm[r] = vf_fmadd(mw, vf_set1(dx * (float)a->sum[at]), accm[r]);
+        accm[r] = vf_fmadd(mw, vf_set1(a->dsum[at]), accm[r]);
         accd[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(dx)), accd[r]);
     }
 }
@@ -340,13 +343,16 @@ static inline void load_nibble_pairs(vi *wv, const uint8_t (*qs)[LANES][4], int 
 
 typedef struct { vf d[ROW_TILE], m[ROW_TILE]; } accw;
 
+#ifndef EXP
+#define EXP 0
+#endif
 #include "amx.h"      /* the tile path (AMX): the same blocks' integer dots on tiles, the same epilogue */
 
 /* a block's rows: on tiles where t (amx.h), else by the VNNI dots above */
 static inline void rows_or_tile_dm(tiles *t, const vi *wv, vf dw, vf mw, const act_q *a, int r0, int nr, int b,
                                    accw *acc) {
 #if SD_AMX
-    if (t) { tile_dm(t, wv, dw, mw, a, r0, nr, b); return; }
+    if (t) { tile_dm(t, wv, dw, mw, b); return; }
 #endif
     rows_dm(wv, dw, mw, a, r0, nr, b, acc->d, acc->m);
 }
@@ -354,7 +360,7 @@ static inline void rows_or_tile_dm(tiles *t, const vi *wv, vf dw, vf mw, const a
 static inline void rows_or_tile_dz(tiles *t, const vi *wv, vf dw, int zero, const act_q *a, int r0, int nr, int b,
                                    accw *acc) {
 #if SD_AMX
-    if (t) { tile_dz(t, wv, dw, zero, a, r0, nr, b); return; }
+    if (t) { tile_dz(t, wv, dw, zero, b); return; }
 #endif
     rows_dz(wv, dw, zero, a, r0, nr, b, acc->d);
 }
@@ -362,19 +368,20 @@ static inline void rows_or_tile_dz(tiles *t, const vi *wv, vf dw, int zero, cons
 static inline void rows_or_tile_q6(tiles *t, const vi *wv, vi sc0, vi sc1, vf dw, const act_q *a, int r0, int nr,
                                    int b, accw *acc) {
 #if SD_AMX
-    if (t) { tile_q6(t, wv, sc0, sc1, dw, a, r0, nr, b); return; }
+    if (t) { tile_q6(t, wv, sc0, sc1, dw, b); return; }
 #endif
     rows_q6(wv, sc0, sc1, dw, a, r0, nr, b, acc->d);
 }
 
 /* each over the W lanes of pass `pass` of a group (lanes W pass .. W pass + W-1); pass 0 prefetches.
  * Q4_1, Q8_0, Q5_0, Q5_1: one block of 32 inputs per step (`type` is a constant where inlined) */
-static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, const act_q *a, int r0, int nr,
+static inline void blocks32(const uint8_t *blk, int u0, int u1, int type, int pass, const act_q *a, int r0, int nr,
                             accw *acc, tiles *t) {
     const size_t bb = block_bytes(type);
     const int lane0 = W * pass;
     vi wv[8];
-    for (int b = 0; b < nblk; b++, blk += bb) {
+    blk += (size_t)u0 * bb;
+    for (int b = u0; b < u1; b++, blk += bb) {
         if (pass == 0) prefetch_ahead(blk, bb);
         if (type == SD_Q4_1) {
             const block_q4_1x16 *B = (const block_q4_1x16 *)blk;
@@ -384,6 +391,12 @@ static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, co
         } else if (type == SD_Q8_0) {
             const block_q8_0x16 *B = (const block_q8_0x16 *)blk;
             vf dw = vf_load_f16(B->d + lane0);
+#if SD_AMX
+            if (t) {
+                tile_q8(t, B->qs[0][0], dw, b);
+                continue;
+            }
+#endif
             for (int c = 0; c < 8; c++) wv[c] = vi_load(B->qs[c][lane0]);
             rows_or_tile_dz(t, wv, dw, 128, a, r0, nr, b, acc);
         } else if (type == SD_Q5_0) {
@@ -401,12 +414,13 @@ static inline void blocks32(const uint8_t *blk, int nblk, int type, int pass, co
 }
 
 /* Q4_K / Q5_K: per super-block the 8 sub-blocks' d sc and -dmin m first, then the sub-blocks */
-static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, const act_q *a, int r0, int nr, accw *acc,
-                            tiles *t) {
+static inline void k_blocks(const uint8_t *blk, int u0, int u1, int q5, int pass, const act_q *a, int r0, int nr,
+                            accw *acc, tiles *t) {
     const size_t bb = q5 ? sizeof(block_q5_Kx16) : sizeof(block_q4_Kx16);
     const int lane0 = W * pass;
     vi wv[8];
-    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+    blk += (size_t)u0 * bb;
+    for (int sb = u0; sb < u1; sb++, blk += bb) {
         const block_q4_Kx16 *k4 = (const block_q4_Kx16 *)blk;
         const block_q5_Kx16 *k5 = (const block_q5_Kx16 *)blk;
         vf d = vf_load_f16((q5 ? k5->d : k4->d) + lane0);
@@ -429,13 +443,14 @@ static inline void k_blocks(const uint8_t *blk, int nblk, int q5, int pass, cons
     }
 }
 
-static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q *a, int r0, int nr, accw *acc,
-                             tiles *t) {
+static inline void q6_blocks(const uint8_t *blk, int u0, int u1, int pass, const act_q *a, int r0, int nr,
+                             accw *acc, tiles *t) {
     const size_t bb = sizeof(block_q6_Kx16);
     const int lane0 = W * pass;
     const vi top = vi_set1_8(0x30);
     vi wv[8];
-    for (int sb = 0; sb < nblk; sb++, blk += bb) {
+    blk += (size_t)u0 * bb;
+    for (int sb = u0; sb < u1; sb++, blk += bb) {
         const block_q6_Kx16 *k6 = (const block_q6_Kx16 *)blk;
         vf d = vf_load_f16(k6->d + lane0);
 #pragma GCC unroll 8
@@ -457,19 +472,20 @@ static inline void q6_blocks(const uint8_t *blk, int nblk, int pass, const act_q
     }
 }
 
-/* the kind's block loop over group g for int8 rows r0 .. r0 + nr, one pass of W lanes; t: on tiles */
-static inline __attribute__((always_inline)) void kind_blocks(const sd_matrix *w, int g, int pass, const act_q *a,
-                                                              int r0, int nr, accw *acc, tiles *t) {
+/* the kind's block loop over group g's blocks u0 .. u1 (of block_elems(type) inputs each) for int8
+ * rows r0 .. r0 + nr, one pass of W lanes; t: on tiles */
+static inline __attribute__((always_inline)) void kind_blocks(const sd_matrix *w, int g, int u0, int u1, int pass,
+                                                              const act_q *a, int r0, int nr, accw *acc, tiles *t) {
     const int type = w->type, nblk = w->cols / block_elems(type);
     const uint8_t *blk = w->data + (size_t)g * nblk * block_bytes(type);
     switch (type) {
-    case SD_Q4_1: blocks32(blk, nblk, SD_Q4_1, pass, a, r0, nr, acc, t); break;
-    case SD_Q8_0: blocks32(blk, nblk, SD_Q8_0, pass, a, r0, nr, acc, t); break;
-    case SD_Q5_0: blocks32(blk, nblk, SD_Q5_0, pass, a, r0, nr, acc, t); break;
-    case SD_Q5_1: blocks32(blk, nblk, SD_Q5_1, pass, a, r0, nr, acc, t); break;
-    case SD_Q4_K: k_blocks(blk, nblk, 0, pass, a, r0, nr, acc, t); break;
-    case SD_Q5_K: k_blocks(blk, nblk, 1, pass, a, r0, nr, acc, t); break;
-    case SD_Q6_K: q6_blocks(blk, nblk, pass, a, r0, nr, acc, t); break;
+    case SD_Q4_1: blocks32(blk, u0, u1, SD_Q4_1, pass, a, r0, nr, acc, t); break;
+    case SD_Q8_0: blocks32(blk, u0, u1, SD_Q8_0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_0: blocks32(blk, u0, u1, SD_Q5_0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_1: blocks32(blk, u0, u1, SD_Q5_1, pass, a, r0, nr, acc, t); break;
+    case SD_Q4_K: k_blocks(blk, u0, u1, 0, pass, a, r0, nr, acc, t); break;
+    case SD_Q5_K: k_blocks(blk, u0, u1, 1, pass, a, r0, nr, acc, t); break;
+    case SD_Q6_K: q6_blocks(blk, u0, u1, pass, a, r0, nr, acc, t); break;
     default: break;
     }
 }
@@ -478,7 +494,7 @@ static void group_dot(const sd_matrix *w, int g, const act_q *a, int r0, int nr,
     for (int pass = 0; pass < LANES / W; pass++) {
         accw acc;
         for (int r = 0; r < ROW_TILE; r++) acc.d[r] = acc.m[r] = vf_zero();
-        kind_blocks(w, g, pass, a, r0, nr, &acc, NULL);
+        kind_blocks(w, g, 0, w->cols / block_elems(w->type), pass, a, r0, nr, &acc, NULL);
         for (int r = 0; r < nr; r++) vf_store(out[r] + W * pass, vf_add(acc.d[r], acc.m[r]));
     }
 }
@@ -498,51 +514,42 @@ static inline void store_rows(const float out[][LANES], const act_q *a, int r0, 
 }
 
 #if SD_AMX
-/* group_dot on tiles: up to TILE_ROWS int8 rows, the tiles configured for nr rows (tiles_config) */
-static SD_AMX_TARGET void group_dot_tiles(const sd_matrix *w, int g, const act_q *a, int r0, int nr,
-                                          float out[][LANES]) {
-    tiles t;
-    for (int r = 0; r < nr; r++) t.d[r] = t.m[r] = vf_zero();
-    kind_blocks(w, g, 0, a, r0, nr, NULL, &t);
-    for (int r = 0; r < nr; r++) vf_store(out[r], vf_add(t.d[r], t.m[r]));
-}
-
-/* matmul on tiles: the whole tiles of TILE_ROWS rows, then the rest, each with its own tile
- * configuration (loaded once per thread and phase); a thread keeps its groups in both phases */
-static void matmul_tiles(const sd_matrix *w, const act_q *a, int arows, float *y, int ldy, int n_out,
-                         int accumulate, const float *bias) {
-    const int groups = w->rows / LANES, whole = arows / TILE_ROWS * TILE_ROWS, rest = arows - whole;
-    if (whole) {
-        tiles_config(TILE_ROWS);
-#pragma omp for schedule(static) nowait
-        for (int g = 0; g < groups; g++)
-            for (int r0 = 0; r0 < whole; r0 += TILE_ROWS) {
-                float out[TILE_ROWS][LANES];
-                group_dot_tiles(w, g, a, r0, TILE_ROWS, out);
-                store_rows(out, a, r0, TILE_ROWS, g, y, ldy, n_out, accumulate, bias);
-            }
-    }
-    if (rest) {
-        tiles_config(rest);
-#pragma omp for schedule(static) nowait
-        for (int g = 0; g < groups; g++) {
+/* matmul on tiles (amx.h): per group, its blocks decoded once into this thread's scratch, then
+ * every tile of up to TILE_ROWS int8 rows over them; the tiles reconfigured only when a tile's row
+ * count differs from the last one's (a ragged last tile). Decoding a round's blocks just before
+ * its dots instead measured no faster: the tile and vector units overlap little here (perf-notes
+ * §25). */
+static SD_AMX_TARGET void matmul_tiles(const sd_matrix *w, const act_q *a, int arows, float *y, int ldy, int n_out,
+                                       int accumulate, const float *bias) {
+    const int groups = w->rows / LANES, nblk = w->cols / QBLOCK, q6 = w->type == SD_Q6_K;
+    uint8_t raw[(size_t)nblk * (512 + sizeof(tile_scales) + sizeof(uint8_t *)) + 64];
+    uint8_t *base = raw + (64 - (uintptr_t)raw % 64) % 64;
+    tiles t = {(uint8_t (*)[8][64])base, (const uint8_t **)(base + (size_t)nblk * (512 + sizeof(tile_scales))),
+               (tile_scales *)(base + (size_t)nblk * 512),
+               q6 ? TILE_Q6 : w->type == SD_Q8_0 || w->type == SD_Q5_0 ? TILE_DZ : TILE_DM, 0};
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        kind_blocks(w, g, 0, w->cols / block_elems(w->type), 0, a, 0, 0, NULL, &t);
+        for (int r0 = 0; r0 < arows; r0 += TILE_ROWS) {
+            const int nr = arows - r0 < TILE_ROWS ? arows - r0 : TILE_ROWS;
+            if (nr != configured) tiles_config(configured = nr, q6);
             float out[TILE_ROWS][LANES];
-            group_dot_tiles(w, g, a, whole, rest, out);
-            store_rows(out, a, whole, rest, g, y, ldy, n_out, accumulate, bias);
+            tile_rows(&t, a, r0, nr, nblk, out);
+            store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
         }
     }
-#pragma omp barrier
 }
 #endif
 
 /* Parallel over groups of LANES outputs; a row's outputs never depend on the other rows. Wide
  * activations: a tile's int8 rows are pairs (ROW_TILE is even), a row's output the pair's sum.
- * On tiles (amx.h) from TILE_MIN_ROWS int8 rows: the same bits. */
+ * On tiles (amx.h) from tile_min_rows int8 rows: the same bits. */
 void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int n_out,
             int accumulate, const float *bias) {
     const int groups = w->rows / LANES, arows = rows * (1 + a->wide);
 #if SD_AMX
-    if (tiles_on && arows >= TILE_MIN_ROWS) {
+    if (tiles_on && arows >= tile_min_rows(w->type)) {
         matmul_tiles(w, a, arows, y, ldy, n_out, accumulate, bias);
         return;
     }

@@ -167,6 +167,7 @@ typedef struct {                         /* a batch of rows quantized to int8 bl
     int8_t *q;                           /* [rows (x2 wide), k] */
     float *d;                            /* [rows (x2 wide), k/32] */
     int32_t *sum;                        /* [rows (x2 wide), k/32] */
+    float *dsum;                         /* [rows (x2 wide), k/32] d * sum, the offset kinds' factor */
     int k;
     int wide;                            /* 1: each row is two int8 rows, x's blocks and then the
                                             residual's (x - d q), quantized alike; matmul adds the
@@ -183,10 +184,13 @@ SD_KERNEL void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, in
 /* out [w->cols] = row n of w, dequantized (the embedding gather; on the calling thread) */
 SD_KERNEL void dequant_row(const sd_matrix *w, int n, float *out);
 
-/* 1: the matmul runs its integer block dots on AMX tiles from now on (amx.h), where the CPU and
- * the OS have them (the process's tile permission is asked for once); 0: on the VNNI path. Between
- * forwards only. Returns whether tiles are on. */
-SD_KERNEL int tiles_select(int on);
+/* The matmul's integer block dots from now on (amx.h; between forwards only): TILES_OFF on the
+ * VNNI path; TILES_AUTO on AMX tiles where the CPU and the OS have them (the process's tile
+ * permission is asked for once) for the kinds and row counts where tiles measured faster;
+ * TILES_ALWAYS on tiles for every kind and row count (the bitwise tests). Returns the mode in
+ * force (TILES_OFF where there are no tiles). */
+enum { TILES_OFF = 0, TILES_AUTO = 1, TILES_ALWAYS = 2 };
+SD_KERNEL int tiles_select(int mode);
 
 /* ---- elementwise -------------------------------------------------------------------------- */
 
