@@ -53,9 +53,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                         "held-out calibration prompts, weights rounded by GPTQ (docs/building.md)")
     p.add_argument("--wide-activations", default="auto",
                    help="gguf engines: the matrices whose inputs the native kernel takes as wide activations "
-                        "(two int8 rows, ~14 bits) instead of int8: auto (the fewest that keep top-1 agreement "
-                        ">= 0.995 with all wide on the calibration prompts), none, all, or families by comma: "
-                        "qkv, o, gate_up, down, lm_head (docs/building.md)")
+                        "(two int8 rows, ~14 bits) instead of int8: fidelity (the fewest that keep top-1 "
+                        "agreement >= 0.995 with all wide on the calibration prompts), auto (those, where they "
+                        "cost a plain decode step <= 3%% on this machine; else int8), none, all, or families by "
+                        "comma: qkv, o, gate_up, down, lm_head (docs/building.md)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -141,9 +142,10 @@ def cmd_bench_engine(args) -> int:
     from backend.manifest import EngineManifest
 
     m = EngineManifest.load(_engine_dir(args))
-    if args.wide:
-        engine_bench.wide_ab(m, load_prompts(args.prompts), args.wide.split(";"), args.reps, args.max_new_tokens,
-                             Path(args.json) if args.json else None)
+    if args.wide or args.isa:
+        engine_bench.ab(m, load_prompts(args.prompts), (args.wide or "built").split(";"),
+                        (args.isa or "default").split(";"), args.reps, args.max_new_tokens,
+                        Path(args.json) if args.json else None)
         return 0
     engine_bench.run(m, load_prompts(args.prompts), Path(args.json) if args.json else None,
                      Path(args.plot) if args.plot else None,
@@ -429,6 +431,9 @@ def main(argv=None) -> int:
     p.add_argument("--wide", default=None,
                    help="instead: the cost of wide activations on the gguf engine, settings by ';' (none, all, "
                         "built: the build's choice, or families by comma), alternated --reps times in one process")
+    p.add_argument("--isa", default=None,
+                   help="instead: the matmul paths to A/B, by ';' (amx: AMX tiles; avx512: the vector path), "
+                        "crossed with --wide's settings (default built), alternated --reps times in one process")
     p.set_defaults(func=cmd_bench_engine)
 
     p = sub.add_parser("build-draft-node", help="a model repository serving a built draft to remote targets")

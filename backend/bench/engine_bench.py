@@ -7,7 +7,6 @@ tokens/s on the public prompts. Prints a table, writes JSON and a PNG plot.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from backend.bench.prompt_sets import prompt_ids
+from backend.bench.provenance import engine_threads, write_result
+from backend.errors import UserError
 from backend.manifest import EngineManifest
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -133,47 +134,81 @@ def run(manifest: EngineManifest, prompts: list[dict], out_json: Path | None, pl
     }
     _print_table(result)
     if out_json:
-        Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out_json, result, threads=engine_threads())
     if plot:
         _plot(result, Path(plot))
     return result
 
 
-def wide_ab(manifest: EngineManifest, prompts: list[dict], specs: list[str], reps: int, max_new: int,
-            out_json: Path | None) -> dict:
-    """The cost of wide activations on the gguf engine, its settings in `specs` (wide_choice.parse's
-    forms, or "built": the manifest's own) alternated in one process: the median forward at B=1,
-    context 256, T = 1, 4, 8, and plain greedy decode-only tokens/s, each setting's runs
-    interleaved with the others' (rep r runs the settings in rotated order)."""
+def _prefill_tokens_per_s(rt, n: int, reps: int) -> float:
+    """Prompt tokens per second of one n-token prefill forward (a new request's time to first token)."""
+    rng = np.random.default_rng(1)
+    parents = np.arange(-1, n - 1, dtype=np.int32)[None]
+    times = []
+    for _ in range(reps + 1):
+        rt.alloc(20_000)
+        t0 = time.perf_counter()
+        rt.forward([20_000], rng.integers(3, rt.config.vocab_size, (1, n)), parents, np.full((1, 1), n - 1))
+        times.append(time.perf_counter() - t0)
+        rt.free(20_000)
+    return n / statistics.median(times[1:])
+
+
+def _ab_point(rt, manifest, prompts, max_new: int, wide) -> dict:
+    """One setting's readings: forward ms at B=1 ctx 256 (T = 1, 4, 8, 16) and B=8 (T = 1, 4), a
+    256-token prefill's tokens/s, plain greedy decode-only tokens/s."""
+    out = {f"b1_t{t}": _forward_ms(rt, 1, 256, t, 5) for t in (1, 4, 8, 16)}
+    out.update({f"b8_t{t}": _forward_ms(rt, 8, 256, t, 3) for t in (1, 4)})
+    out["prefill_tokens_per_s"] = _prefill_tokens_per_s(rt, 256, 2)
+    out["plain_tokens_per_s"] = greedy_tokens_per_s(manifest, "gguf", prompts, max_new, wide=wide)["tokens_per_s"]
+    return out
+
+
+def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: list[str], reps: int, max_new: int,
+       out_json: Path | None) -> dict:
+    """The gguf engine under every (matmul path, wide families) setting alternated in one process:
+    paths from `isas` ("amx" tiles, the build's vector path "avx512", or "default": tiles where the
+    CPU has them; runtime/native.use_tiles),
+    wide families from `wides` (wide_choice.parse's forms, or "built": the manifest's own). Each
+    rep runs the settings in rotated order; medians over reps. Ratios: each setting against the
+    first (the baseline), forward costs against T = 1 of the same setting."""
     from backend.build import wide_choice
     from backend.devices import load_runtime
+    from backend.runtime import native
 
     built = manifest.engine("gguf").wide_activations
-    sets = {s: built if s == "built" else wide_choice.parse(s) for s in specs}
-    assert all(v is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
-    ms: dict = {s: {t: [] for t in (1, 4, 8)} for s in sets}
-    tps: dict = {s: [] for s in sets}
+    sets = {f"{i}/{w}": (i, built if w == "built" else wide_choice.parse(w)) for i in isas for w in wides}
+    assert all(v[1] is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
+    bad = [i for i in isas if i not in ("amx", "avx512", "default")]
+    if bad:
+        raise UserError(f"--isa: {bad[0]!r} is not amx, avx512 or default (SPECDEC_ISA=avx2 loads another library)")
+    got: dict = {s: [] for s in sets}
     rt = load_runtime(manifest, "gguf")
     for r in range(reps):
         order = list(sets)[r % len(sets):] + list(sets)[:r % len(sets)]
         for s in order:
-            rt.model.set_wide(sets[s])
-            for t in ms[s]:
-                ms[s][t].append(_forward_ms(rt, 1, 256, t, 5))
-            tps[s].append(greedy_tokens_per_s(manifest, "gguf", prompts, max_new, wide=sets[s])["tokens_per_s"])
+            isa, wide = sets[s]
+            if native.use_tiles(isa != "avx512") != "amx" and isa == "amx":
+                raise RuntimeError("--isa amx: this CPU or OS gives no AMX tiles")
+            rt.model.set_wide(wide)
+            got[s].append(_ab_point(rt, manifest, prompts, max_new, wide))
     rt.close()
-    base = specs[0]
-    result = {"settings": {s: list(v) for s, v in sets.items()}, "reps": reps, "max_new_tokens": max_new,
-              "forward_ms_b1_ctx256": {s: {t: round(statistics.median(v), 3) for t, v in d.items()} for s, d in ms.items()},
-              "plain_tokens_per_s": {s: round(statistics.median(v), 2) for s, v in tps.items()}}
-    result["plain_ratio_to_" + base] = {s: round(result["plain_tokens_per_s"][s] / result["plain_tokens_per_s"][base], 3)
-                                        for s in sets}
-    for s in sets:
-        f = result["forward_ms_b1_ctx256"][s]
-        print(f"{s:24s} {list(sets[s]) or 'none'}: forward T=1/4/8 {f[1]:.2f}/{f[4]:.2f}/{f[8]:.2f} ms, "
-              f"plain {result['plain_tokens_per_s'][s]:.1f} tok/s (x{result['plain_ratio_to_' + base][s]:.3f})", flush=True)
+    native.use_tiles(True)
+    med = {s: {k: round(statistics.median(p[k] for p in v), 3) for k in v[0]} for s, v in got.items()}
+    base = next(iter(sets))
+    result = {"settings": {s: {"isa": v[0], "wide": list(v[1])} for s, v in sets.items()}, "reps": reps,
+              "max_new_tokens": max_new, "context": 256, "median": med,
+              "cost_over_t1": {s: {k: round(m[k] / m[k.split("_")[0] + "_t1"], 3) for k in m if k.startswith("b")}
+                               for s, m in med.items()},
+              "ratio_to_" + base: {s: {k: round(m[k] / med[base][k], 3) for k in m} for s, m in med.items()}}
+    for s, m in med.items():
+        c = result["cost_over_t1"][s]
+        print(f"{s:22s} T=1 {m['b1_t1']:.2f} ms, cost(4/8/16)/cost(1) {c['b1_t4']:.2f}/{c['b1_t8']:.2f}/"
+              f"{c['b1_t16']:.2f}, B=8 T=4/T=1 {c['b8_t4']:.2f}, prefill {m['prefill_tokens_per_s']:.0f} tok/s, "
+              f"plain {m['plain_tokens_per_s']:.1f} tok/s (x{result['ratio_to_' + base][s]['plain_tokens_per_s']:.3f})",
+              flush=True)
     if out_json:
-        Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out_json, result, threads=engine_threads())
     return result
 
 
