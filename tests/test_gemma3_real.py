@@ -40,7 +40,8 @@ def repo(gemma_gguf, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("gemma3_repo")
     m = build(BuildConfig(target=str(gemma_gguf), output=out, quiet=True, measure_costs=False,
-                          weights=(WeightFormat.GGUF, WeightFormat.FP32), drafts=("self:3",)))
+                          weights=(WeightFormat.GGUF, WeightFormat.FP32), drafts=("self:3",),
+                          extra={"wide_activations": "fidelity"}))
     return m, out
 
 
@@ -68,10 +69,11 @@ def test_manifest_describes_gemma3(repo, gemma_gguf):
 
 def test_logits_match_transformers(repo, gemma_gguf, texts):
     """transformers dequantizes the same GGUF: the ONNX fp32 engine within 1e-4; the native engine
-    (the file's blocks as they are, wide activations where the build chose them) agrees with it
-    on the top token at >= 0.99 of the positions (issue 26). With int8 activations alone it
-    agreed 0.978 (perf-notes §17, printed beside it): the build measures that and widens the
-    matrices it must (build/wide_choice.py)."""
+    (the file's blocks as they are, wide activations where the build's fidelity measure chose
+    them: `--wide-activations fidelity`) agrees with it on the top token at >= 0.99 of the
+    positions (issue 26). With int8 activations alone it agreed 0.978 (perf-notes §17, printed
+    beside it): the build measures that and widens the matrices it must (build/wide_choice.py);
+    the default (`auto`) then prices them and keeps int8 where they cost a plain step > 3%."""
     m, _ = repo
     wide = m.engine("gguf").wide_activations
     assert wide and m.engine("gguf").activations["meets_bar"], m.engine("gguf").activations

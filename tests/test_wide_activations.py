@@ -67,6 +67,26 @@ def test_the_search_keeps_narrow_every_family_the_bar_allows_largest_first():
     assert wide == () and [m["wide"] for m in report["measured"]] == [[]] and rt.forwards == 4
 
 
+def test_the_default_keeps_int8_where_the_fidelity_choice_costs_more_than_3_percent(monkeypatch):
+    n = wide_choice.PROBE_TOKENS
+    prompts = [list(range(n + 50))] * 2
+    lose = {"qkv": 8 / n, "lm_head": 1 / n, "gate_up": 1 / n, "down": 0.0, "o": 0.0}
+    for cost, expect in ((0.031, ()), (0.03, ("qkv", "gate_up")), (-0.01, ("qkv", "gate_up"))):
+        seen = []
+        monkeypatch.setattr(wide_choice, "price", lambda rt, wide, prompt, log: seen.append(wide) or
+                            {"path": "test", "step_ms_int8": 1.0, "step_ms_wide": 1.0 + cost, "cost": cost,
+                             "max_cost": wide_choice.MAX_COST})
+        wide, report = wide_choice.decide(_PlantedEngine(lose, _cfg(4096)), prompts, lambda *a: None)
+        assert seen == [("qkv", "gate_up")] and wide == expect and report["wide"] == list(expect), cost
+        assert report["price"]["cost"] == cost
+        if not expect:
+            assert report["by_fidelity"] == ["qkv", "gate_up"] and report["chosen_by"] == "measured, priced"
+    # nothing wide by fidelity: nothing to price
+    seen.clear()
+    wide, report = wide_choice.decide(_PlantedEngine({"qkv": 1 / n}, _cfg(4096)), prompts, lambda *a: None)
+    assert wide == () and seen == [] and "price" not in report
+
+
 def test_the_flag_s_forms_and_a_bad_one_refused_before_anything_is_read(tmp_path):
     assert wide_choice.parse("auto") is None and wide_choice.parse("none") == ()
     assert wide_choice.parse("all") == tuple(native.WIDE_FAMILIES)
@@ -99,7 +119,11 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
     assert rt.model.struct.wide == native.WIDE_FAMILIES["qkv"] | native.WIDE_FAMILIES["lm_head"]
     rt.close()
     auto = measured.engine("gguf").activations
-    assert auto["chosen_by"] == "measured" and auto["meets_bar"] and auto["bar"] == wide_choice.BAR
+    assert auto["chosen_by"] in ("measured", "measured, priced") and auto["meets_bar"] and auto["bar"] == wide_choice.BAR
+    if "price" in auto:                                     # the fidelity choice was priced on this machine
+        price = auto["price"]
+        assert price["path"] == native.isa() and price["step_ms_int8"] > 0 and price["step_ms_wide"] > 0
+        assert (price["cost"] > wide_choice.MAX_COST) == (auto["chosen_by"] == "measured, priced")
     assert list(measured.engine("gguf").wide_activations) == auto["wide"]
     assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
 

@@ -18,8 +18,14 @@ the largest first (the most dot products saved), kept narrow where the agreement
 or above. The families do not add up: int8 errors of different matrices partly cancel, so one
 family wide alone can agree less than none (SmolLM2-135M: none 0.977, `down` alone 0.976,
 every family 1.000 against transformers' float logits on the same weights), which is why the
-search removes from the reference rather than adding to nothing. The report (the choice, the
-bar, every candidate measured) goes into the manifest (EngineFile.activations).
+search removes from the reference rather than adding to nothing.
+
+Then the price (issue 44: a default costs no speed): the chosen families' plain decode step
+against int8's on this machine's matmul path (AMX tiles or VNNI), alternated in one process
+(price). Where wide costs more than MAX_COST of a plain step, the default is int8 and the report
+says what `--wide-activations` would buy (its agreement) and what it would cost. The report (the
+choice, the bar, every candidate measured, the price) goes into the manifest
+(EngineFile.activations).
 Knows: the measure and the order. Does not know: files beyond the engine it is given, devices.
 """
 from __future__ import annotations
@@ -37,13 +43,23 @@ from backend.runtime.native import WIDE_FAMILIES
 # once kept Gemma's LM head narrow at 0.9907, which read 0.9893 on the public prompts.
 BAR = 0.995
 PROBE_PROMPTS, PROBE_TOKENS = 24, 256
+# the most a default's wide families may cost a plain decode step (the developers' guide: a build
+# choice that trades speed for anything else is not the default past a 3% speed cost)
+MAX_COST = 0.03
+PRICE_CONTEXT, PRICE_STEPS, PRICE_REPS = 128, 16, 7
 
 
-def parse(value: str) -> tuple[str, ...] | None:
-    """`--wide-activations`: "auto" -> None (measured), "none" -> (), "all", or families by
-    comma ("qkv,lm_head"); a ValueError naming the unknown ones."""
+FIDELITY = "fidelity"
+
+
+def parse(value: str) -> tuple[str, ...] | str | None:
+    """`--wide-activations`: "auto" -> None (measured by fidelity, then priced: decide),
+    "fidelity" -> FIDELITY (measured by fidelity alone, whatever it costs: choose), "none" -> (),
+    "all", or families by comma ("qkv,lm_head"); a ValueError naming the unknown ones."""
     if value == "auto":
         return None
+    if value == FIDELITY:
+        return FIDELITY
     if value in ("none", ""):
         return ()
     if value == "all":
@@ -52,7 +68,7 @@ def parse(value: str) -> tuple[str, ...] | None:
     unknown = [n for n in names if n not in WIDE_FAMILIES]
     if unknown:
         raise ValueError(f"unknown matrix families {unknown}; choose from {list(WIDE_FAMILIES)}, "
-                         f"'all', 'none' or 'auto'")
+                         f"'all', 'none', 'fidelity' or 'auto'")
     return names
 
 
@@ -108,3 +124,58 @@ def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) ->
               "reference": "every family wide", "prompts": len(probe), "positions": int(reference.size),
               "measured": measured, "seconds": round(time.time() - t0, 1)}
     return chosen, report
+
+
+def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int) -> float:
+    """The median plain decode step (one token, B = 1) after `context`, with `wide` families."""
+    rt.model.set_wide(wide)
+    rt.alloc(0)
+    rt.forward([0], context[None], np.arange(-1, context.size - 1, dtype=np.int32)[None], np.full((1, 1), context.size - 1))
+    rt.commit([0], [np.arange(context.size)])
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        rt.forward([0], np.array([[context[i % context.size]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
+        times.append(time.perf_counter() - t0)
+        rt.commit([0], [np.array([], np.int64)])       # the context stays PRICE_CONTEXT long
+    rt.free(0)
+    return 1000 * float(np.median(times))
+
+
+def price(rt, wide: tuple[str, ...], prompt: list[int], log) -> dict:
+    """What `wide` costs a plain decode step against int8 on this machine's matmul path, after a
+    context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter): the two
+    alternated PRICE_REPS times (medians of PRICE_STEPS steps each, the first pair a warm-up) ->
+    {"path", "step_ms_int8", "step_ms_wide", "cost", "max_cost"}; rt left with none wide."""
+    from backend.runtime import native
+
+    n = min(PRICE_CONTEXT, len(prompt))                 # a tiny model's positions may be fewer
+    context = np.asarray(list(prompt)[:n], np.int64)
+    narrow, wider = [], []
+    for rep in range(PRICE_REPS + 1):
+        for w in ((), wide) if rep % 2 else (wide, ()):
+            (narrow if not w else wider).append(_step_ms(rt, w, context, PRICE_STEPS))
+    rt.model.set_wide(())
+    a, b = float(np.median(narrow[2:])), float(np.median(wider[2:]))
+    out = {"path": native.isa(), "step_ms_int8": round(a, 3), "step_ms_wide": round(b, 3),
+           "cost": round(b / a - 1, 4), "max_cost": MAX_COST}
+    log(f"wide activations {list(wide)} cost a plain decode step {100 * out['cost']:+.1f}% "
+        f"({b:.2f} vs {a:.2f} ms, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
+    return out
+
+
+def decide(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) -> tuple[tuple[str, ...], dict]:
+    """The default: the families `choose` finds by fidelity, priced on this machine; int8 where
+    they cost more than MAX_COST, the report saying what they would buy and cost."""
+    wide, report = choose(rt, prompts, log, max_tokens)
+    if not wide:
+        return wide, report
+    report["price"] = price(rt, wide, prompts[0][:max_tokens - PRICE_STEPS], log)
+    if report["price"]["cost"] <= MAX_COST:
+        return wide, report
+    report.update({"wide": [], "chosen_by": "measured, priced", "by_fidelity": list(wide)})
+    agreement = next(m["top1_agreement"] for m in report["measured"] if m["wide"] == [])
+    log(f"wide activations: int8 by default here (wide costs {100 * report['price']['cost']:.1f}% of a plain "
+        f"step); --wide-activations {','.join(wide)} would raise top-1 agreement with all wide from "
+        f"{agreement:.4f} to >= {BAR}")
+    return (), report

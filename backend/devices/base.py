@@ -38,7 +38,8 @@ class BuildContext:
     features: tuple[int, ...] = ()
     state: dict = field(default_factory=dict)
     fp8_recipe: str = "auto"                # FP8: "auto" (chosen by measured quality) or a recipe's name
-    wide_activations: tuple[str, ...] | None = None   # gguf: the wide matrix families; None: measured
+    wide_activations: tuple[str, ...] | str | None = None   # gguf: the wide families; None: measured and
+                                                            # priced; wide_choice.FIDELITY: measured
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class NativeBackend(EngineBackend):
         as --wide-activations names them, or measured on the calibration prompts (wide_choice)."""
         from backend.build import wide_choice
 
-        if ctx.wide_activations is not None:
+        if isinstance(ctx.wide_activations, tuple):
             return ctx.wide_activations, {"wide": list(ctx.wide_activations), "chosen_by": "--wide-activations"}
         from backend.build.torch_engine import checkpoint_prompts
         from backend.runtime.native import NativeRuntime
@@ -61,7 +61,8 @@ class NativeBackend(EngineBackend):
         prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide_choice.PROBE_PROMPTS, tokens)
         rt = NativeRuntime(path, ck.config, ck.config.num_layers, tokens + 1, RuntimeOptions(max_sequences=1))
         try:
-            wide, report = wide_choice.choose(rt, prompts, ctx.log, tokens)
+            how = wide_choice.choose if ctx.wide_activations == wide_choice.FIDELITY else wide_choice.decide
+            wide, report = how(rt, prompts, ctx.log, tokens)
         finally:
             rt.close()
         ctx.log(f"wide activations: {list(wide) or 'none'} ({report['positions']} positions, {report['seconds']}s)")
