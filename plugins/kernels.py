@@ -24,8 +24,9 @@ linear and rmsnorm (the GPU runtime's batch-invariant mode, runtime/torch_model.
 (+ b) in tiles of a fixed shape (BLOCK_M x BLOCK_N, the K loop in BLOCK_K steps from 0, float32
 accumulation, no split-K: the tiles depend on the weight's shape only, never on M), and RMSNorm
 by one program per row. A row's result is then the same bits at any number of rows, which
-cuBLAS does not promise (it picks a GEMM by M: measured on an H200, a verify's logits and the
-CUDA graphs' padded buckets differed from single steps by up to 28 in bf16).
+cuBLAS does not promise (it picks a GEMM by M: measured on an H200, the CUDA graphs' padded
+buckets differed from eager by 0.75 in bf16; the 28 once quoted for a verify was the GPU check's
+own defect, two different prompts).
 
 Each op has two kernels over one program body: the GPU runtime's (`*_kernel`: strided views,
 float64 sampling parameters, the forward's nodes already in the cache) and the TensorRT
