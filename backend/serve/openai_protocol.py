@@ -1,0 +1,282 @@
+"""OpenAI completions and chat completions, translated to and from the `specdec` Triton model.
+
+A request body becomes a `Call`: the Triton inputs (backend/serve/client.py's field names) and how
+to answer (chat or text, streamed or not, usage in the stream). Every field is one of three kinds:
+honoured (`HONOURED`), our extension (`EXTENSIONS`, vLLM's names where vLLM has one), or refused
+unless it has its neutral value (`REFUSED`); a few request-metadata fields are accepted and have
+no effect on the output (`METADATA`). Anything else is refused with OpenAI's error object naming
+the field (HTTP 400), never silently dropped. A chat's messages travel as JSON text with
+`apply_chat_template`, the path Triton's own clients use, so both doors render the same prompt.
+Knows: the OpenAI request fields and response shapes, the model's input and statistics names.
+Does not know: HTTP, gRPC, tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from backend import triton_io
+
+MODEL_ID = "specdec"
+COMPLETION_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
+INT32_MAX = 2**31 - 1
+
+HONOURED = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+            "seed", "stop", "n", "stream", "stream_options")
+EXTENSIONS = ("top_k", "min_p", "ignore_eos", "drafter", "num_draft_tokens")
+METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier")
+# field -> the values that mean "not used" (anything else is refused)
+REFUSED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+           "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+           "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+           "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+           "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+           "verbosity": (None,), "web_search_options": (None,)}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# a Triton input named by an error -> the request field the client sent
+TRITON_TO_FIELD = {"random_seed": "seed", "stop_words": "stop", "end_id": "ignore_eos"}
+FINISH = {"stop": "stop", "length": "length"}
+
+
+class ApiError(Exception):
+    """An answer other than 200: OpenAI's error object (`param` names the request field)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.retry_after = status, message, param, kind, retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param)
+
+
+@dataclass(frozen=True)
+class Call:
+    chat: bool
+    model: str
+    fields: dict                       # Triton inputs by name (backend/serve/client.py's dtypes)
+    stream: bool
+    include_usage: bool
+    max_tokens_field: str              # what the client called it (errors name it)
+    max_tokens_given: bool
+
+
+# ---- typed reads: each names the field it refuses ----
+
+def _number(body: dict, name: str, integer: bool = False, lo: float | None = None, hi: float | None = None):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
+        raise bad(name, f"expected {'an integer' if integer else 'a number'}, got {json.dumps(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(name, f"must be in [{lo}, {hi}], got {v}")
+    return int(v) if integer else float(v)
+
+
+def _flag(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(name, f"expected true or false, got {json.dumps(v)}")
+    return v
+
+
+def _stops(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", f"expected a string or a list of strings, got {json.dumps(v)}")
+    return [s for s in stops if s]
+
+
+def _message_text(i: int, msg) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise bad(where, "expected an object with role and content")
+    extra = set(msg) - {"role", "content"}
+    if extra:
+        raise bad(f"{where}.{sorted(extra)[0]}", "not supported (tool calls and names are refused)")
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise bad(f"{where}.role", f"one of {sorted(CHAT_ROLES)}, got {json.dumps(role)}")
+    content = msg.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"{where}.content", f"only text parts are supported, got {json.dumps(kind)}")
+            parts.append(part["text"])
+        content = "\n".join(parts)
+    if not isinstance(content, str):
+        raise bad(f"{where}.content", f"expected a string or a list of text parts, got {json.dumps(content)}")
+    return {"role": CHAT_ROLES[role], "content": content}
+
+
+def _prompt(body: dict, chat: bool) -> str:
+    """text_input: the completion's prompt, or the chat's messages as JSON (apply_chat_template)."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad("messages", "expected a non-empty list of messages")
+        return json.dumps([_message_text(i, m) for i, m in enumerate(msgs)], ensure_ascii=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("prompt", "expected one string (token-id prompts and batches of prompts are not supported)")
+    return prompt
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    known = set(HONOURED) | set(EXTENSIONS) | set(METADATA) | set(REFUSED)
+    for name in body:
+        if name not in known or name == ("prompt" if chat else "messages"):
+            raise bad(name, "unrecognized request argument")
+    for name, neutral in REFUSED.items():
+        if name in body and body[name] not in neutral:
+            raise bad(name, f"not supported by this server (leave it out), got {json.dumps(body[name])}")
+    n = _number(body, "n", integer=True)
+    if n not in (None, 1):
+        raise bad("n", f"only n=1 is supported, got {n}")
+
+
+def _sampling(body: dict, fields: dict) -> None:
+    for name, integer, lo, hi in (("temperature", False, 0, None), ("top_p", False, None, None),
+                                  ("top_k", True, -1, INT32_MAX), ("min_p", False, None, None),
+                                  ("num_draft_tokens", True, 0, INT32_MAX)):
+        v = _number(body, name, integer, lo, hi)
+        if v is not None:
+            fields[name] = 0 if name == "top_k" and v == -1 else v     # vLLM's top_k=-1: off
+    seed = _number(body, "seed", integer=True, lo=0, hi=2**64 - 1)
+    if seed is not None:
+        fields["random_seed"] = seed
+    stops = _stops(body)
+    if stops:
+        fields["stop_words"] = stops
+    if _flag(body, "ignore_eos"):
+        fields["end_id"] = -1
+    drafter = body.get("drafter")
+    if drafter is not None:
+        if not isinstance(drafter, str):
+            raise bad("drafter", f"expected a string, got {json.dumps(drafter)}")
+        fields["drafter"] = drafter
+
+
+def parse(body, chat: bool, model_ids: tuple[str, ...] = (MODEL_ID,)) -> Call:
+    """A request body -> the Triton call (raises ApiError naming the field)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_fields(body, chat)
+    model = body.get("model")
+    if model not in model_ids:
+        raise ApiError(400, f"model: unknown model {json.dumps(model)}; "
+                       f"this server serves {list(model_ids)}", "model")
+    fields = {"text_input": _prompt(body, chat), "apply_chat_template": chat, "stream": True,
+              "temperature": 1.0}                        # OpenAI's default temperature
+    _sampling(body, fields)
+    mt_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, mt_field, integer=True, lo=1, hi=INT32_MAX)
+    if not chat and max_tokens is None:
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    stream = bool(_flag(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
+        raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {json.dumps(opts)}")
+    include_usage = bool(_flag(opts, "include_usage")) if opts else False
+    return Call(chat, model, fields, stream, include_usage, mt_field, max_tokens is not None)
+
+
+def field_of(triton_input: str, call: Call) -> str:
+    """The request field a Triton input came from (an error about it names this one)."""
+    if triton_input in (triton_io.TEXT_INPUT, "apply_chat_template"):
+        return "messages" if call.chat else "prompt"
+    if triton_input == "max_tokens":
+        return call.max_tokens_field
+    return TRITON_TO_FIELD.get(triton_input, triton_input)
+
+
+def triton_error(message: str, call: Call) -> ApiError:
+    """A Triton error message -> the HTTP answer: a refused input 400 naming its field, overload
+    503 with Retry-After, anything else 500 with the message."""
+    code = triton_io.error_code(message)
+    if code == "UNAVAILABLE":
+        return ApiError(503, f"the server is busy: {message}", kind="server_busy", retry_after=1)
+    if code == "INVALID_ARG":
+        name, _, rest = message.partition(":")
+        param = field_of(name.strip(), call)
+        return ApiError(400, f"{param}:{rest}", param)
+    return ApiError(500, f"internal error: {message}", kind="server_error")
+
+
+# ---- responses ----
+
+def usage(prompt_tokens: int, stats: dict) -> dict:
+    completion = int(stats.get("output_token_count", 0))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_prompt_tokens", 0))}}
+
+
+def spec_stats(stats: dict) -> dict:
+    """Our extension object: what speculation did for this request."""
+    return {"drafted_tokens": int(stats.get("total_draft_tokens", 0)),
+            "accepted_tokens": int(stats.get("total_accepted_draft_tokens", 0)),
+            "acceptance_rate": round(float(stats.get("acceptance_rate", 0.0)), 6),
+            "tokens_per_target_forward": round(float(stats.get("mean_accepted_tokens", 0.0)), 6)}
+
+
+def finish_reason(stats: dict) -> str:
+    return FINISH.get(str(stats.get("finish_reason", "")), "stop")
+
+
+def _choice(call: Call, text: str | None, finish: str | None, first: bool = False) -> dict:
+    if call.chat and call.stream:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if call.chat:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def _head(call: Call, rid: str, created: int) -> dict:
+    kind = "chat.completion" if call.chat else "text_completion"
+    return {"id": rid, "object": kind + (".chunk" if call.chat and call.stream else ""), "created": created,
+            "model": call.model}
+
+
+def response(call: Call, rid: str, created: int, text: str, stats: dict, prompt_tokens: int) -> dict:
+    """The whole answer of a non-streaming request."""
+    return {**_head(call, rid, created), "choices": [_choice(call, text, finish_reason(stats))],
+            "usage": usage(prompt_tokens, stats), "specdec": spec_stats(stats)}
+
+
+def chunk(call: Call, rid: str, created: int, text: str | None, stats: dict | None = None,
+          first: bool = False) -> dict:
+    """One stream event; the one with `stats` carries the finish reason and our statistics."""
+    out = {**_head(call, rid, created),
+           "choices": [_choice(call, text, finish_reason(stats) if stats else None, first)]}
+    if stats:
+        out["specdec"] = spec_stats(stats)
+    if call.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(call: Call, rid: str, created: int, stats: dict, prompt_tokens: int) -> dict:
+    return {**_head(call, rid, created), "choices": [], "usage": usage(prompt_tokens, stats)}
+
+
+def models_list(model_ids: tuple[str, ...], created: int) -> dict:
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "specdec"}
+                                       for m in model_ids]}
