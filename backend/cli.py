@@ -205,18 +205,43 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     print("starting tritonserver ...", flush=True)
     supervisor = Supervisor(server, on_event=lambda msg: print(msg, flush=True)).start()
+    front = _start_openai(args, repo / ENGINE_SUBDIR, server.grpc_url, supervisor)
     print(f"specdec is serving {repo}\n"
           f"  HTTP     http://{server.http_url}  (POST /v2/models/specdec/generate_stream)\n"
           f"  gRPC     {server.grpc_url}\n"
           f"  metrics  {server.metrics_url}\n"
+          f"{_openai_line(front)}"
           f"Try: .venv/bin/specdec generate \"Write a haiku about the sea\" --stream --url {server.grpc_url}\n"
           f"Ctrl-C stops the server.", flush=True)
     while not stop.wait(0.5):
         pass
     print("stopping tritonserver ...", flush=True)
+    if front:
+        front.stop()
     rc = supervisor.stop()
     print(f"stopped (exit code {rc})", flush=True)
     return 0 if rc in (0, None) else 1
+
+
+def _start_openai(args, engine_dir: Path, grpc_url: str, supervisor):
+    """The OpenAI-compatible front door on --openai-port (None with --no-openai, or for a draft
+    node's repository, which has no `specdec` model)."""
+    from backend.serve.openai_api import OpenAIServer, front_for
+
+    if args.no_openai or not (engine_dir / "manifest.json").exists():
+        return None
+    try:
+        return OpenAIServer(front_for(engine_dir, grpc_url), args.openai_port).start()
+    except Exception:
+        supervisor.stop()
+        raise
+
+
+def _openai_line(front) -> str:
+    if front is None:
+        return ""
+    return (f"  OpenAI   {front.url}  (/chat/completions, /completions, /models; model \"specdec\")\n"
+            f"           e.g. openai.OpenAI(base_url=\"{front.url}\", api_key=\"none\")\n")
 
 
 def _cannot_run_here(engine_dir: Path) -> str | None:
@@ -301,6 +326,9 @@ def main(argv=None) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=8080,
+                   help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)")
+    p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI-compatible API")
     p.add_argument("--draft", action="append", default=[],
                    help="drafts to build on first run (default: self:4 and the committed EAGLE head)")
     p.add_argument("--log-verbose", type=int, default=0)
