@@ -75,8 +75,8 @@ class Front:
 
         app = web.Application(middlewares=[web.middleware(_errors)], client_max_size=16 * 2**20)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", lambda r: self.serve(r, chat=False))
-        app.router.add_post("/v1/chat/completions", lambda r: self.serve(r, chat=True))
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.on_startup.append(self._connect)
         app.on_cleanup.append(self._disconnect)
         return app
@@ -93,6 +93,12 @@ class Front:
         from aiohttp import web
 
         return web.json_response(proto.models_list(self.model_ids, self.created))
+
+    async def completions(self, request):
+        return await self.serve(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self.serve(request, chat=True)
 
     def count_prompt(self, call: Call) -> int:
         """The prompt's tokens as the model counts them (its refusals of the prompt name the field)."""
