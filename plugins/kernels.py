@@ -55,6 +55,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Every launcher's one launch (tests/test_gpu_launches.py counts the launches of a step
+    by wrapping it)."""
+    kernel[grid](*args, **kwargs)
+
+
 @triton.jit
 def _tanh(x):
     """tanh(x) = sign(x) (1 - t) / (1 + t), t = exp(-2|x|) (the native kernel's tanh8)."""
@@ -422,10 +428,10 @@ def linear(x, w, bias=None):
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn = linear_block_n(n)
-    linear_kernel[(triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn))](
-        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
-        BLOCK_K=LINEAR_BLOCK_K)
+    launch(linear_kernel, (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn)),
+           x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+           HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
+           BLOCK_K=LINEAR_BLOCK_K)
     return y
 
 
@@ -442,10 +448,10 @@ def linear_w8(x, w8, scale, block: tuple[int, int], bias=None):
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn = linear_block_n(n)
-    linear_w8_kernel[(triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn))](
-        x, w8, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), w8.stride(0), scale.stride(0),
-        y.stride(0), block[0], block[1] or k, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(),
-        BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K)
+    launch(linear_w8_kernel, (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn)),
+           x, w8, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), w8.stride(0), scale.stride(0),
+           y.stride(0), block[0], block[1] or k, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(),
+           BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K)
     return y
 
 
@@ -458,8 +464,8 @@ def rmsnorm(x, w, eps: float):
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        rmsnorm_kernel[(rows.shape[0],)](rows, w, y, h, rows.stride(0), y.stride(0), float(eps),
-                                         BLOCK=_next_pow2(h))
+        launch(rmsnorm_kernel, (rows.shape[0],), rows, w, y, h, rows.stride(0), y.stride(0), float(eps),
+               BLOCK=_next_pow2(h))
     return y.view(x.shape)
 
 
@@ -481,12 +487,12 @@ def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, win
     g = hq // hkv
     o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
     paths = paths.contiguous()
-    tree_attention_kernel[(b * t, hkv)](
-        q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), float(softcap), t, paths.shape[2],
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), paths.stride(0), paths.stride(1),
-        G=g, BLOCK_G=max(16, _next_pow2(g)), BLOCK_P=max(16, _next_pow2(paths.shape[2])),
-        BLOCK_N=BLOCK_N, D=d)
+    launch(tree_attention_kernel, (b * t, hkv),
+           q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), float(softcap), t, paths.shape[2],
+           q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+           o.stride(0), o.stride(1), o.stride(2), paths.stride(0), paths.stride(1),
+           G=g, BLOCK_G=max(16, _next_pow2(g)), BLOCK_P=max(16, _next_pow2(paths.shape[2])),
+           BLOCK_N=BLOCK_N, D=d)
     return o
 
 
@@ -501,12 +507,12 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
     nodes = torch.full((b, t), -1, dtype=torch.int32, device=dev)
     out = torch.full((b, t), -1, dtype=torch.int64, device=dev)
     num = torch.zeros(b, dtype=torch.int32, device=dev)
-    verify_kernel[(b,)](
-        logits, tokens.to(torch.int64).contiguous(), parents.to(torch.int32).contiguous(),
-        temperature.to(torch.float64), top_k.to(torch.int32), top_p.to(torch.float64),
-        min_p.to(torch.float64), seeds.to(torch.int64), positions.to(torch.int64),
-        nodes, out, num, t, v, logits.stride(0), logits.stride(1),
-        BLOCK_T=max(16, _next_pow2(t)), BLOCK_V=min(BLOCK_V, _next_pow2(v)))
+    launch(verify_kernel, (b,),
+           logits, tokens.to(torch.int64).contiguous(), parents.to(torch.int32).contiguous(),
+           temperature.to(torch.float64), top_k.to(torch.int32), top_p.to(torch.float64),
+           min_p.to(torch.float64), seeds.to(torch.int64), positions.to(torch.int64),
+           nodes, out, num, t, v, logits.stride(0), logits.stride(1),
+           BLOCK_T=max(16, _next_pow2(t)), BLOCK_V=min(BLOCK_V, _next_pow2(v)))
     return nodes, out, num
 
 
@@ -520,10 +526,10 @@ def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, pa
     _, hkv, l_, _ = k_cache.shape
     o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
     c = lambda x: x.contiguous()
-    tree_attention_plugin_kernel[(b * t, hkv)](
-        c(q), c(k), c(v), c(k_cache), c(v_cache), c(slots), c(ctx_len), c(n_prior), c(paths), t, paths.shape[2], l_, o,
-        HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _next_pow2(hq // hkv)), BLOCK_P=PLUGIN_BLOCK_P, BLOCK_N=BLOCK_N, D=d,
-        SCALE=float(scale), WINDOW=int(window), SOFTCAP=float(softcap))
+    launch(tree_attention_plugin_kernel, (b * t, hkv),
+           c(q), c(k), c(v), c(k_cache), c(v_cache), c(slots), c(ctx_len), c(n_prior), c(paths), t, paths.shape[2], l_, o,
+           HKV=hkv, G=hq // hkv, BLOCK_G=max(16, _next_pow2(hq // hkv)), BLOCK_P=PLUGIN_BLOCK_P, BLOCK_N=BLOCK_N, D=d,
+           SCALE=float(scale), WINDOW=int(window), SOFTCAP=float(softcap))
     return o
 
 
@@ -539,9 +545,9 @@ def verify_plugin(logits, tokens, parents, temperature, top_k, top_p, min_p, see
     out = torch.empty((b, t), dtype=torch.int64, device=dev)
     num = torch.empty(b, dtype=torch.int32, device=dev)
     c = lambda x: x.contiguous()
-    verify_plugin_kernel[(b,)](c(logits), c(tokens), c(parents), c(temperature), c(top_k), c(top_p), c(min_p),
-                               c(seeds), c(positions), t, r, v, nodes, out, num,
-                               BLOCK_T=PLUGIN_MAX_NODES, BLOCK_V=min(BLOCK_V, _next_pow2(v)))
+    launch(verify_plugin_kernel, (b,), c(logits), c(tokens), c(parents), c(temperature), c(top_k), c(top_p),
+           c(min_p), c(seeds), c(positions), t, r, v, nodes, out, num,
+           BLOCK_T=PLUGIN_MAX_NODES, BLOCK_V=min(BLOCK_V, _next_pow2(v)))
     return nodes, out, num
 
 

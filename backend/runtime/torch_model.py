@@ -293,8 +293,6 @@ class TorchModel:
         """ids [N], positions [N] -> (the features the forward outputs [N, W], final-norm rows
         [N, H] for the LM head), compute dtype. W = H (1 + len(feature_layers)); an EAGLE-3
         head outputs its pre-norm residual stream."""
-        cfg = self.cfg
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self.embed[ids]
         eagle3 = self.layers[0].hidden_norm is not None
         if eagle3 or self.fc is not None:
@@ -307,30 +305,37 @@ class TorchModel:
         elif self.fc is not None:
             x = self.fc(torch.cat([x, features.to(self.dtype)], -1))
         aux = {}
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)):
             if i in self.feature_layers:
                 aux[i] = x
-            if eagle3:
-                hn = torch.cat([self._rmsnorm(embeds, layer.attn_norm), self._rmsnorm(x, layer.hidden_norm)], -1)
-            else:
-                hn = self._rmsnorm(x, layer.attn_norm)
-            qkv = layer.qkv(hn).view(-1, nh + 2 * nkv, d)
-            q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
-            if layer.q_norm is not None:         # per head, before rotary
-                q, k = self._rmsnorm(q, layer.q_norm), self._rmsnorm(k, layer.k_norm)
-            q = self._rope(q, positions, self.local[i])
-            k = self._rope(k, positions, self.local[i])
-            kv.write(i, k, qkv[:, nh + nkv:])
-            o = kv.attend(i, q).reshape(-1, nh * d).to(self.dtype)
-            x = x + self._rmsnorm(layer.o(o), layer.post_attn_norm)
-            gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm))
-            g, u = gu.split(cfg.intermediate_size, -1)
-            a = F.gelu(g, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(g)
-            x = x + self._rmsnorm(layer.down(a * u), layer.post_mlp_norm)
+            x = self._layer(i, x, embeds if eagle3 else None, positions, kv)
         normed = self._rmsnorm(x, self.norm)
         if eagle3:
             return x, normed
         return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
+
+    def _layer(self, i: int, x: torch.Tensor, embeds: torch.Tensor | None, positions: torch.Tensor,
+               kv: KVAccess) -> torch.Tensor:
+        """Layer i on the residual stream x -> the next x (embeds: an EAGLE-3 head's)."""
+        cfg, layer = self.cfg, self.layers[i]
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if embeds is not None:
+            hn = torch.cat([self._rmsnorm(embeds, layer.attn_norm), self._rmsnorm(x, layer.hidden_norm)], -1)
+        else:
+            hn = self._rmsnorm(x, layer.attn_norm)
+        qkv = layer.qkv(hn).view(-1, nh + 2 * nkv, d)
+        q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
+        if layer.q_norm is not None:         # per head, before rotary
+            q, k = self._rmsnorm(q, layer.q_norm), self._rmsnorm(k, layer.k_norm)
+        q = self._rope(q, positions, self.local[i])
+        k = self._rope(k, positions, self.local[i])
+        kv.write(i, k, qkv[:, nh + nkv:])
+        o = kv.attend(i, q).reshape(-1, nh * d).to(self.dtype)
+        x = x + self._rmsnorm(layer.o(o), layer.post_attn_norm)
+        gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm))
+        g, u = gu.split(cfg.intermediate_size, -1)
+        a = F.gelu(g, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(g)
+        return x + self._rmsnorm(layer.down(a * u), layer.post_mlp_norm)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, H] final-norm rows -> [R, V] float32 logits (soft-capped where the model is)."""
