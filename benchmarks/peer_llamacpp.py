@@ -58,6 +58,19 @@ from typing import Any
 
 import numpy as np
 
+
+def _request_amx() -> int:
+    """Linux's tile permission for this process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+    asked before llama.cpp loads, as specdec's kernel asks it: 0 granted, else the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.syscall(158, 0x1023, 18) == 0 else ctypes.get_errno()   # SYS_arch_prctl on x86-64
+
+
+if "--request-amx" in sys.argv:       # before llama.cpp's import runs its CPU feature probes
+    AMX_PERMISSION = _request_amx()
+else:
+    AMX_PERMISSION = None
+
 import llama_cpp  # noqa: E402  (llama-cpp-python)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -260,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                          "~30%% slower decode (~55 vs ~75 tok/s for SmolLM2-135M Q4_1), so "
                          "off is the stronger baseline")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--request-amx", action="store_true",
+                    help="ask Linux for the AMX tile state before llama.cpp loads (a build with its AMX path)")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp logs")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -350,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_ubatch": int(llama_cpp.llama_n_ubatch(ctx)),
         "n_threads": args.threads, "n_threads_batch": args.threads,
         "flash_attn": args.flash_attn,
+        "amx_permission": AMX_PERMISSION,
         "max_new_tokens": n_new,
         "ignore_eos": True,
         "sampling": "greedy argmax (numpy, first index on ties)",

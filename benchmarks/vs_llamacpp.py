@@ -11,9 +11,12 @@ Steps:
       llama-cpp-python (built from source with cmake: several minutes on 2 cores;
       llama.cpp's default GGML_NATIVE=ON compiles with -march=native, so it uses
       AVX2/AVX-512/VNNI where the CPU has them). On x86-64 we add CFLAGS/CXXFLAGS
-      "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16": this VM's CPU advertises AMX
-      and -march=native turns on ggml's AMX matmul path, which dies with SIGILL
-      (tileloadd) on the first forward pass here. Extra CMake flags can be passed
+      "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16": on an AMX Xeon -march=native turns
+      on ggml's AMX matmul path, which dies with SIGILL (tileloadd) on the first
+      forward pass unless the process asked Linux for the tile state, and with a
+      general-protection fault in its repack even after the request (0.3.36;
+      --peer-amx builds it with its defaults in .peer-venv-amx and records how it
+      ran or died, issue 44). Extra CMake flags can be passed
       through the CMAKE_ARGS environment variable, which pip's build picks up.
       The flags used are recorded in .peer-venv/specdec-peer-build.json; a venv
       built with other flags/version is rebuilt.
@@ -138,10 +141,14 @@ def installed_peer_version(venv: Path = PEER_VENV) -> str | None:
     return out.stdout.strip() or None
 
 
-def build_flags() -> dict[str, str]:
-    """Compiler/CMake settings for building llama-cpp-python (see module docstring)."""
+PEER_VENV_AMX = HERE / ".peer-venv-amx"    # llama.cpp's defaults: its AMX path where the CPU has AMX
+
+
+def build_flags(amx: bool = False) -> dict[str, str]:
+    """Compiler/CMake settings for building llama-cpp-python (see module docstring); amx: its
+    defaults, AMX left on (the --peer-amx attempt)."""
     flags: dict[str, str] = {}
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if platform.machine().lower() in ("x86_64", "amd64") and not amx:
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         flags["CFLAGS"] = (os.environ.get("CFLAGS", "") + " " + no_amx).strip()
         flags["CXXFLAGS"] = (os.environ.get("CXXFLAGS", "") + " " + no_amx).strip()
@@ -151,9 +158,9 @@ def build_flags() -> dict[str, str]:
 
 
 def ensure_peer_venv(base_python: str = "python3", version: str = LLAMA_CPP_PYTHON_VERSION,
-                     venv: Path = PEER_VENV) -> str:
+                     venv: Path = PEER_VENV, amx: bool = False) -> str:
     """Create/repair the peer venv; returns the installed llama-cpp-python version."""
-    flags = build_flags()
+    flags = build_flags(amx)
     want = {"llama_cpp_python": version, "build_env": flags}
     marker = venv / BUILD_MARKER
     have = installed_peer_version(venv)
@@ -195,14 +202,33 @@ def ensure_peer_venv(base_python: str = "python3", version: str = LLAMA_CPP_PYTH
 
 
 def run_peer(gguf: str, prompts: str, max_new_tokens: int, threads: int,
-             out_json: str, flash_attn: str = "off", extra: list[str] | None = None) -> dict:
-    cmd = [str(peer_python()), str(PEER_SCRIPT), "--gguf", gguf, "--prompts", prompts,
+             out_json: str, flash_attn: str = "off", extra: list[str] | None = None,
+             venv: Path = PEER_VENV) -> dict:
+    cmd = [str(peer_python(venv)), str(PEER_SCRIPT), "--gguf", gguf, "--prompts", prompts,
            "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
            "--flash-attn", flash_attn, "--json", out_json, *(extra or [])]
     print("[vs] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(out_json, encoding="utf-8") as f:
         return json.load(f)
+
+
+def try_peer_amx(gguf: str, prompts: str, max_new_tokens: int, threads: int, out_json: str,
+                 base_python: str) -> dict:
+    """llama.cpp's own AMX path (issue 44, point 6): built with its defaults (AMX on where the CPU
+    has it), run with the tile permission asked first; where it dies (llama-cpp-python 0.3.36:
+    a general-protection fault in libggml-cpu's AMX repack on this Xeon), how -> a record."""
+    version = ensure_peer_venv(base_python, venv=PEER_VENV_AMX, amx=True)
+    try:
+        peer = run_peer(gguf, prompts, max_new_tokens, threads, out_json, "off", ["--request-amx"], PEER_VENV_AMX)
+    except subprocess.CalledProcessError as exc:
+        died = f"signal {-exc.returncode}" if exc.returncode < 0 else f"exit code {exc.returncode}"
+        print(f"[vs] llama.cpp's AMX build died ({died}): the -mno-amx build stays the peer", flush=True)
+        return {"llama_cpp_python_version": version, "ran": False, "died": died}
+    sysinfo = peer["meta"].get("system_info", "")
+    return {"llama_cpp_python_version": version, "ran": True, "amx_in_build": "AMX_INT8 = 1" in sysinfo,
+            "amx_permission": peer["meta"].get("amx_permission"),
+            "decode_tokens_per_s": peer["overall"]["decode_tokens_per_s"], "run": peer}
 
 
 # --------------------------------------------------------------------------------------
@@ -285,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                          "stock default, which decodes ~30%% slower here)")
     ap.add_argument("--weights", default=None,
                     help="our weight formats to build and measure (default: the device's: gguf,fp32,q4)")
+    ap.add_argument("--peer-amx", action="store_true",
+                    help="also try llama.cpp's own AMX path: a second peer build with its defaults, run with "
+                         "the tile permission asked; recorded as it ran or as it died")
     ap.add_argument("--peer-python", default="python3",
                     help="interpreter used to create the peer venv (default: python3)")
     args = ap.parse_args(argv)
@@ -304,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:   # "auto" is llama.cpp's stock setting; "off" is faster here
             peers[mode] = run_peer(gguf, prompts, args.max_new_tokens, args.threads,
                                    os.path.join(td, f"peer_{mode}.json"), flash_attn=mode)
+        peer_amx = (try_peer_amx(gguf, prompts, args.max_new_tokens, args.threads, os.path.join(td, "peer_amx.json"),
+                                 args.peer_python) if args.peer_amx else None)
     peer = peers[modes[0]]
     sysinfo = peer["meta"].get("system_info", "")
     if "AVX2 = 1" not in sysinfo:
@@ -339,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                    "llama_cpp_python_version": version},
         "comparison": cmp,
         "llamacpp": peer,
+        "llamacpp_amx": peer_amx,
         "ours": ours,
         "ours_error": ours_error,
     }
