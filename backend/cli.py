@@ -137,6 +137,18 @@ def cmd_bench_prefix(args) -> int:
     return 0
 
 
+def _kernel_line() -> str:
+    """The native kernel's matmul path on this machine (SPECDEC_ISA as the server sees it), or nothing."""
+    from backend.runtime import native
+
+    if not native.compiled():
+        return ""
+    try:
+        return f"  kernel   {native.isa()} (native CPU engine; SPECDEC_ISA=auto|amx|avx512|avx2)\n"
+    except Exception as exc:                     # noqa: BLE001 - the server's own load reports it too
+        return f"  kernel   not loadable here: {exc}\n"
+
+
 def cmd_bench_engine(args) -> int:
     from backend.bench import engine_bench
     from backend.manifest import EngineManifest
@@ -211,6 +223,7 @@ def cmd_serve(args) -> int:
           f"  gRPC     {server.grpc_url}\n"
           f"  metrics  {server.metrics_url}\n"
           f"{_openai_line(front)}"
+          f"{_kernel_line()}"
           f"Try: .venv/bin/specdec generate \"Write a haiku about the sea\" --stream --url {server.grpc_url}\n"
           f"Ctrl-C stops the server.", flush=True)
     while not stop.wait(0.5):

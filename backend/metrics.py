@@ -233,6 +233,12 @@ class Metrics:
     def set_active(self, n: int) -> None:
         self.active.set(n)
 
+    def on_kernel(self, path: str) -> None:
+        """The path the target's matmul runs on (native: amx | avx512-vnni | avx-vnni | avx2), as an
+        info gauge: specdec_kernel_info{path} 1."""
+        self.r.gauge("specdec_kernel_info", "The target engine's matmul path (the native kernel's ISA path)",
+                     {**self.labels, "path": path}).set(1)
+
 
 class MemoryRegistry:
     """In-process registry (tests, offline runs): name -> labels -> value."""

@@ -342,6 +342,10 @@ class Service:
         self.decoder = make_decoder(cfg)
         self.registry = TritonRegistry(pb)
         self.metrics = Metrics(self.registry, {"model": args["model_name"]})
+        path = getattr(self.decoder.target, "kernel_path", None)
+        if path:
+            self.metrics.on_kernel(path)
+            log.info("target matmul path: %s", path)
         from backend.drafters.remote import RemoteDrafter
 
         for d in self.decoder.drafters.values():

@@ -271,6 +271,10 @@ def test_metrics_move_after_a_request(server):
                  "specdec_draft_seconds_count", "specdec_verify_seconds_count", "specdec_active_sequences",
                  "specdec_cost_correction"):
         assert re.search(rf"^{name}\{{", after, re.M), name
+    # the served gguf engine's matmul path (issue 44): what this machine's kernel runs on
+    from backend.runtime import native
+
+    assert metric_value(after, "specdec_kernel_info", model="generator", path=native.isa()) == 1
 
 
 def test_concurrency_bench_round_runs_every_request_in_each_mode(server):

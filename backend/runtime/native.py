@@ -316,6 +316,11 @@ class NativeRuntime(SlotSequences):
         # that holds the runtime); the finalizer holds the library, not the runtime
         self._free_workspace = weakref.finalize(self, self.lib.sd_workspace_free, ctypes.byref(self._workspace))
 
+    @property
+    def kernel_path(self) -> str:
+        """The path the matmul runs on (isa()): the serving metrics' specdec_kernel_info label."""
+        return isa()
+
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput:
         b, t = input_ids.shape                                   # [B, T] int64
