@@ -53,6 +53,7 @@ static inline int tile_min_rows(int type) {
    dots, 4/5 the activations and 6/7 the weights in turn; Q6_K: 2 blocks as two halves of 16
    each); round n's epilogue runs after round n+1's dots are issued (two buffers of dots). */
 #define ROUND 4
+#define EPI_ROWS 4      /* rows the epilogue takes at once (their accumulators in registers) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -87,10 +88,10 @@ typedef struct {
 } tiles;
 
 /* the consumers kind_blocks calls per block: its weights and scales kept for the row tiles */
-static inline void tile_keep(tiles *t, const vi *wv, vf dw, vf mw, vi sc0, vi sc1, int b) {
+static inline void tile_keep(tiles *t, const vi *wv, vf dw, int b) {
     for (int c = 0; c < 8; c++) vi_store(t->w[b][c], wv[c]);
     t->wb[b] = t->w[b][0];
-    t->sc[b] = (tile_scales){dw, mw, sc0, sc1};
+    t->sc[b].dw = dw;
 }
 
 /* Q8_0: its integers are read by the tile load where they lie (no decode, no copy) */
@@ -101,16 +102,18 @@ static inline void tile_q8(tiles *t, const uint8_t *qs, vf dw, int b) {
 }
 
 static inline void tile_dm(tiles *t, const vi *wv, vf dw, vf mw, int b) {
-    tile_keep(t, wv, dw, mw, vi_zero(), vi_zero(), b);
+    tile_keep(t, wv, dw, b);
+    t->sc[b].mw = mw;
 }
 
 static inline void tile_dz(tiles *t, const vi *wv, vf dw, int zero, int b) {
     t->zero = zero;
-    tile_keep(t, wv, dw, vf_zero(), vi_zero(), vi_zero(), b);
+    tile_keep(t, wv, dw, b);
 }
 
 static inline void tile_q6(tiles *t, const vi *wv, vi sc0, vi sc1, vf dw, int b) {
-    tile_keep(t, wv, dw, vf_zero(), sc0, sc1, b);
+    tile_keep(t, wv, dw, b);
+    t->sc[b].sc0 = sc0, t->sc[b].sc1 = sc1;
 }
 
 /* the dots of blocks b0 .. b0 + n of rows q (a->k apart) into s: tile j of C from the activation
@@ -150,7 +153,21 @@ static inline void round_epilogue(const tiles *t, const act_q *a, int r0, int nr
     const size_t nb = a->k / QBLOCK;
     const tile_scales *sc = t->sc + b0;
     if (t->kind == TILE_DM) {
-        for (int r = 0; r < nr; r++) {
+        int r = 0;
+        for (; r + EPI_ROWS <= nr; r += EPI_ROWS) {     /* EPI_ROWS rows at once: a block's dw, mw loaded once */
+            vf dr[EPI_ROWS], mr[EPI_ROWS];
+            for (int i = 0; i < EPI_ROWS; i++) dr[i] = d[r + i], mr[i] = m[r + i];
+            for (int j = 0; j < n; j++) {
+                const vf dw = sc[j].dw, mw = sc[j].mw;
+                for (int i = 0; i < EPI_ROWS; i++) {
+                    const size_t at = (size_t)(r0 + r + i) * nb + b0 + j;
+                    mr[i] = vf_fmadd(mw, vf_set1(a->dsum[at]), mr[i]);
+                    dr[i] = vf_fmadd(vf_of_i32(vi_load(s[j][r + i])), vf_mul(dw, vf_set1(a->d[at])), dr[i]);
+                }
+            }
+            for (int i = 0; i < EPI_ROWS; i++) d[r + i] = dr[i], m[r + i] = mr[i];
+        }
+        for (; r < nr; r++) {
             const float *dx = a->d + (size_t)(r0 + r) * nb + b0, *ds = a->dsum + (size_t)(r0 + r) * nb + b0;
             vf dr = d[r], mr = m[r];
             for (int j = 0; j < n; j++) {
