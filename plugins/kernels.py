@@ -70,6 +70,24 @@ def _tanh(x):
 
 
 @triton.jit
+def _round_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), as float32: torch's rounding, done
+    in integer bits (the interpreter's float32 -> bf16 cast truncates; finite inputs only)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """float32 x as torch rounds it to DT (bf16: to nearest even, on a GPU and in the
+    interpreter alike), held in float32; a float32 DT leaves it."""
+    if DT == tl.bfloat16:
+        return _round_bf16(x)
+    return x
+
+
+@triton.jit
 def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_ptr, ctx_ptr, nprior_ptr,
                             paths_ptr, scale, window, softcap, T, P, sq_b, sq_t, sq_h, sk_s, sk_h, sk_l, sn_b, sn_t,
                             sn_h, so_b, so_t, so_h, sp_b, sp_t, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -136,7 +154,7 @@ def _tree_attention_program(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, slots_pt
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]          # a padding node sees nothing: 0
+    o = _rounded(acc / tl.where(l > 0, l, 1.0)[:, None], o_ptr.dtype.element_ty)   # padding sees nothing: 0
     tl.store(o_ptr + b * so_b + j * so_t + head[:, None] * so_h + d[None, :], o, mask=g[:, None] < G)
 
 
@@ -364,15 +382,6 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HAS_BIAS: 
     _store_rows(acc, b_ptr, y_ptr, rm, rn, M, N, sym, HAS_BIAS)
 
 
-@triton.jit
-def _round_bf16(x):
-    """float32 -> the nearest bfloat16 value (ties to even), as float32: torch's rounding, done
-    in integer bits (the interpreter's float32 -> bf16 cast truncates; finite inputs only)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=["M"])
 def linear_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, ssn, sym, SR, SC,
                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -400,10 +409,28 @@ def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r * sx + c, mask=c < H, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 0) / H + eps)
-    w = tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
-    out = y.to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    out = _rms_row(x, w_ptr, c, H, eps, y_ptr.dtype.element_ty)
     tl.store(y_ptr + r * sy + c, out.to(y_ptr.dtype.element_ty), mask=c < H)
+
+
+@triton.jit
+def _rms_row(x, w_ptr, c, H, eps, DT: tl.constexpr):
+    """RMSNorm of the float32 row x (entries c < H; zeros past H) times w, as float32 before the
+    store's rounding to DT (rmsnorm_kernel's numbers; plugins/fused.py's fused norms share them)."""
+    return _rms_apply(x, _rms(x, H, eps), w_ptr, c, H, DT)
+
+
+@triton.jit
+def _rms(x, H, eps):
+    """sqrt(mean(x^2) + eps) of the float32 row x (zeros past H)."""
+    return tl.sqrt(tl.sum(x * x, 0) / H + eps)
+
+
+@triton.jit
+def _rms_apply(x, rms, w_ptr, c, H, DT: tl.constexpr):
+    """x / rms rounded to DT, times w[c] (float32)."""
+    w = tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+    return (x / rms).to(DT).to(tl.float32) * w
 
 
 LINEAR_BLOCK_M, LINEAR_BLOCK_K = 16, 64
@@ -474,9 +501,10 @@ def _next_pow2(n: int) -> int:
 
 
 def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, window: int = 0,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, out_dtype=None):
     """Launch tree_attention (torch tensors; shapes in plugins/reference.py; window: the layer's
-    sliding window, 0 none; softcap: the scores' soft-cap, 0 none) -> o [B, T, Hq, D]."""
+    sliding window, 0 none; softcap: the scores' soft-cap, 0 none) -> o [B, T, Hq, D] in
+    out_dtype (float32 by default; bf16: the float32 result rounded as torch's .to rounds it)."""
     import torch
 
     b, t, hq, d = q.shape
@@ -485,7 +513,7 @@ def tree_attention(q, k_cache, v_cache, slots, ctx_len, paths, scale: float, win
     assert hq % hkv == 0 and paths.shape[:2] == (b, t), (q.shape, k_cache.shape, paths.shape)
     assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride() and q.stride(3) == 1
     g = hq // hkv
-    o = torch.empty((b, t, hq, d), dtype=torch.float32, device=q.device)
+    o = torch.empty((b, t, hq, d), dtype=out_dtype or torch.float32, device=q.device)
     paths = paths.contiguous()
     launch(tree_attention_kernel, (b * t, hkv),
            q, k_cache, v_cache, o, slots, ctx_len, paths, float(scale), int(window), float(softcap), t, paths.shape[2],
@@ -504,9 +532,9 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
     b, t, v = logits.shape
     assert logits.stride(2) == 1 and tokens.shape == (b, t) and parents.shape == (b, t)
     dev = logits.device
-    nodes = torch.full((b, t), -1, dtype=torch.int32, device=dev)
-    out = torch.full((b, t), -1, dtype=torch.int64, device=dev)
-    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    nodes = torch.empty((b, t), dtype=torch.int32, device=dev)     # the kernel writes every entry
+    out = torch.empty((b, t), dtype=torch.int64, device=dev)
+    num = torch.empty(b, dtype=torch.int32, device=dev)
     launch(verify_kernel, (b,),
            logits, tokens.to(torch.int64).contiguous(), parents.to(torch.int32).contiguous(),
            temperature.to(torch.float64), top_k.to(torch.int32), top_p.to(torch.float64),
@@ -595,7 +623,9 @@ def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, consts = signatures(**variant)[name]
+    from plugins import fused
+
+    fn, sig, consts = {**signatures(**variant), **fused.signatures(**variant)}[name]
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32))
     return compiled.asm["ptx"], compiled.metadata.name

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+F = torch.nn.functional
 
 from conftest import assert_compiles, assert_verify_equals_steps_along_paths, plugin_attention_case  # noqa: E402
 from plugins import kernels as K  # noqa: E402
@@ -303,3 +304,131 @@ def test_weight_only_fp8_linears_run_the_w8_kernel_with_the_bits_of_their_dequan
         lin.wq = None
     rt.alloc(1)
     assert np.array_equal(np.asarray(rt.forward([1], ids, chain, np.arange(11)[None]).logits[0]), w8)
+
+
+# --- the fused kernels of the GPU step (plugins/fused.py, issue 41) -----------------------------
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTYPES
+def test_add_rmsnorm_is_the_unfused_add_and_norms_bit_for_bit(dtype):
+    """x + h (h normed first, Gemma's post norm), then RMSNorm: the bits of kernels.rmsnorm and
+    torch's add, with and without the post norm and the residual, each row at any M."""
+    from plugins import fused
+
+    g = torch.Generator().manual_seed(8)
+    x, h = (torch.randn(37, 200, generator=g).to(DEV, dtype) for _ in range(2))
+    w, pw = ((1 + 0.2 * torch.randn(200, generator=g)).to(DEV, dtype) for _ in range(2))
+    s, y = fused.add_rmsnorm(x, w, 1e-6, h, pw)
+    want = x + K.rmsnorm(h, pw, 1e-6)
+    assert torch.equal(s, want) and torch.equal(y, K.rmsnorm(want, w, 1e-6))
+    s, y = fused.add_rmsnorm(x, w, 1e-6, h)
+    assert torch.equal(s, x + h) and torch.equal(y, K.rmsnorm(x + h, w, 1e-6))
+    assert torch.equal(fused.add_rmsnorm(x, w, 1e-6)[1], K.rmsnorm(x, w, 1e-6))
+    assert torch.equal(fused.add_rmsnorm(x[:1], w, 1e-6, h[:1], pw)[1], fused.add_rmsnorm(x, w, 1e-6, h, pw)[1][:1])
+
+
+@DTYPES
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_rope_kv_is_the_models_rotary_and_kv_write_bit_for_bit(dtype, qk_norm):
+    """q/k norm per head, rotary at each token's position and the k / v writes to (slot, column):
+    the bits of TorchModel's unfused path (kernels.rmsnorm, TorchModel._rope, an indexed write)."""
+    from types import SimpleNamespace
+
+    from backend.runtime.torch_model import TorchModel
+    from plugins import fused
+
+    g = torch.Generator().manual_seed(9)
+    nh, nkv, d, n = 4, 2, 32, 5
+    qkv = torch.randn(n, (nh + 2 * nkv) * d, generator=g).to(DEV, dtype)
+    cos, sin = (torch.randn(40, d // 2, generator=g).to(DEV) for _ in range(2))
+    pos = torch.tensor([3, 17, 39, 0, 17], device=DEV)
+    wslot, wcol = torch.tensor([1, 0, 2, 1, 0], device=DEV), torch.tensor([4, 9, 0, 5, 10], device=DEV)
+    qn = (1 + 0.3 * torch.randn(2, d, generator=g)).to(DEV, dtype) if qk_norm else None
+    kc, vc = (torch.zeros(3, nkv, 12, d, dtype=dtype, device=DEV) for _ in range(2))
+    q = fused.rope_kv(qkv, pos, cos, sin, qn, 1e-6, nh, nkv, kc, vc, wslot, wcol)
+    heads = qkv.view(n, nh + 2 * nkv, d)
+    wq, wk = heads[:, :nh], heads[:, nh:nh + nkv]
+    if qk_norm:
+        wq, wk = K.rmsnorm(wq, qn[0], 1e-6), K.rmsnorm(wk, qn[1], 1e-6)
+    model = SimpleNamespace(rope={False: (cos, sin)})
+    kw, vw = (torch.zeros_like(kc) for _ in range(2))
+    kw[wslot, :, wcol] = TorchModel._rope(model, wk, pos).to(dtype)
+    vw[wslot, :, wcol] = heads[:, nh + nkv:]
+    assert torch.equal(q, TorchModel._rope(model, wq, pos)) and torch.equal(kc, kw) and torch.equal(vc, vw)
+
+
+@DTYPES
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gate_up_act_is_the_unfused_linear_and_activation(dtype, act):
+    """act(gate) * up in the gate_up linear's epilogue: the linear's bits for gate and up, the
+    activation the same float32 formula as numpy's (bit for bit in the interpreter, where the
+    kernel's exp is numpy's) and within float32 rounding of torch's; each row's bits at any M."""
+    from plugins import fused
+
+    g = torch.Generator().manual_seed(10)
+    k, i = 200, 96
+    x = torch.randn(37, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * i, k, generator=g) * 0.2).to(DEV, dtype)
+    y = fused.gate_up_act(x, w, act == "gelu_tanh")
+    gate, up = K.linear(x, w).float().split(i, -1)
+    a = (F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)).to(dtype)
+    assert torch.allclose(y.float(), (a * up.to(dtype)).float(), rtol=1e-5 if dtype == torch.float32 else 2 ** -7,
+                          atol=1e-6)
+    if K.interpreted():
+        gn = gate.cpu().numpy()
+        if act == "gelu_tanh":
+            z = np.float32(0.7978845608028654) * (gn + np.float32(0.044715) * gn * gn * gn)
+            e = np.exp(np.float32(-2.0) * np.abs(z))
+            r = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+            an = np.float32(0.5) * gn * (np.float32(1.0) + np.where(z < 0, -r, r))
+        else:
+            an = gn / (np.float32(1.0) + np.exp(-gn))
+        want = torch.from_numpy(an.astype(np.float32)).to(dtype) * up.to(dtype)
+        assert torch.equal(y.cpu(), want)
+    for m in (1, 5):
+        assert torch.equal(fused.gate_up_act(x[:m], w, act == "gelu_tanh"), y[:m])
+
+
+def test_gate_up_act_of_fp8_weights_is_that_of_their_dequantized_weights():
+    """W8A16: FP8 codes and 1 x 32 block scales read in the fused kernel give the bits of the
+    dequantized bf16 weights (kernels.linear_w8's contract)."""
+    from backend.runtime import fp8
+    from plugins import fused
+
+    g = torch.Generator().manual_seed(12)
+    rec = fp8.Recipe("w8", (1, 32), "token")
+    q, s = fp8.quantize_weight(torch.randn(192, 200, generator=g), rec)
+    w = fp8.dequantize_weight(q, s, rec).to(torch.bfloat16)
+    x = torch.randn(19, 200, generator=g).to(torch.bfloat16)
+    q, s, w, x = (a.to(DEV) for a in (q, s, w, x))
+    assert torch.equal(fused.gate_up_act(x, q, False, s, (1, 32)), fused.gate_up_act(x, w, False))
+
+
+@DTYPES
+def test_lm_head_embed_and_the_attentions_rounding_are_the_unfused_ops(dtype):
+    """The LM head on gathered rows: the bits of kernels.linear on those rows in float32, its
+    soft-cap within float32 rounding of torch's tanh; the scaled embedding the bits of torch's;
+    the attention's output in bf16 the bits of its float32 output rounded by .to."""
+    from plugins import fused
+
+    g = torch.Generator().manual_seed(13)
+    normed, wv = torch.randn(2 * 5, 64, generator=g).to(DEV, dtype), torch.randn(300, 64, generator=g).to(DEV, dtype)
+    index = torch.tensor([[0, 3, 4], [2, 2, 1]], device=DEV)
+    rows = normed.view(2, 5, 64)[torch.arange(2, device=DEV)[:, None], index].reshape(6, 64)
+    ref = K.linear(rows, wv).float().view(2, 3, 300)
+    assert torch.equal(fused.lm_head(normed, index, 5, wv), ref)
+    capped = fused.lm_head(normed, index, 5, wv, 3.0)
+    assert float((capped - torch.tanh(ref / 3.0) * 3.0).abs().max()) < 1e-6
+    ids, scale = torch.tensor([5, 0, 299, 5], device=DEV), torch.tensor(8.0, dtype=dtype, device=DEV)
+    assert torch.equal(fused.embed(wv, ids, scale), wv[ids] * scale) and torch.equal(fused.embed(wv, ids), wv[ids])
+    rng = np.random.default_rng(5)
+    q, kc, vc = (rng.standard_normal(s).astype(np.float32) for s in ((1, 3, 4, 16), (3, 2, 40, 16), (3, 2, 40, 16)))
+    case = (t(q), t(kc), t(vc), t(np.array([2], np.int32)), t(np.array([30], np.int32)),
+            t(paths_of(np.array([[-1, 0, 0]], np.int32))), 0.3)
+    assert torch.equal(K.tree_attention(*case, out_dtype=torch.bfloat16), K.tree_attention(*case).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["add_rmsnorm", "rope_kv", "gate_up_act", "gate_up_act_w8", "lm_head", "embed"])
+def test_the_fused_kernels_compile_to_ptx_for_sm90(name):
+    assert _compiles(name, kv_dtype="bf16")

@@ -51,10 +51,13 @@ class KVAccess(Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' keys and values [N, Hkv, D] (rotary applied)."""
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Queries [N, Hq, D] (rotary applied, not scaled) -> attention output [N, Hq, D], with
         the model's scale and soft-cap and layer `layer`'s window (TorchModel.scale, .softcap,
-        .windows)."""
+        .windows); float32, or `dtype`."""
+
+    # A callback whose `fused` is true also gives cache(layer) -> (k cache, v cache [S, Hkv, L,
+    # D], the new tokens' slots, columns [N]): the fused forward writes k and v there itself.
 
 
 def _hw_kind(rec: fp8.Recipe) -> str | None:
@@ -213,6 +216,7 @@ class _Layer:
         self.post_attn_norm, self.post_mlp_norm = opt("post_attn_norm"), opt("post_mlp_norm")
         self.q_norm = t[f"layers.{i}.q_norm"].to(dtype) if cfg.qk_norm else None
         self.k_norm = t[f"layers.{i}.k_norm"].to(dtype) if cfg.qk_norm else None
+        self.qk_norm = torch.stack([self.q_norm, self.k_norm]) if cfg.qk_norm else None    # plugins/fused.py's
         self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if cfg.attention_bias else None)
         self.o = lin(["o"], "o")
         self.gate_up = lin(["gate", "up"], "gate_up")
@@ -255,6 +259,7 @@ class TorchModel:
         self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
         self.softcap = cfg.attn_logit_softcap    # the attention scores' soft-cap (Gemma-2), 0: none
         self.invariant = device.type == "cuda"
+        self.fused = True                        # the invariant mode's fused kernels (plugins/fused.py)
 
     @property
     def invariant(self) -> bool:
@@ -293,6 +298,8 @@ class TorchModel:
         """ids [N], positions [N] -> (the features the forward outputs [N, W], final-norm rows
         [N, H] for the LM head), compute dtype. W = H (1 + len(feature_layers)); an EAGLE-3
         head outputs its pre-norm residual stream."""
+        if self._fusable(kv):
+            return self._forward_fused(ids, positions, kv)
         x = self.embed[ids]
         eagle3 = self.layers[0].hidden_norm is not None
         if eagle3 or self.fc is not None:
@@ -313,6 +320,65 @@ class TorchModel:
         if eagle3:
             return x, normed
         return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
+
+    def _fusable(self, kv) -> bool:
+        """The fused kernels run a forward in the invariant mode where the KV callback gives its
+        cache (torch_rt's, with the kernels on) and the model is a target (no EAGLE input)."""
+        return (self._invariant and self.fused and getattr(kv, "fused", False) and self.fc is None
+                and self.layers[0].hidden_norm is None and self.norm is not None)
+
+    def _forward_fused(self, ids, positions, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward by plugins/fused.py: each sublayer's residual add waits for the next norm's
+        kernel (`pending`: the sublayer's output and its post norm)."""
+        from plugins import fused
+
+        x = fused.embed(self.embed, ids, self.embed_scale)
+        pending, aux = None, {}
+        for i in range(len(self.layers)):
+            x, pending = self._fused_layer(i, x, pending, positions, kv, aux)
+        _, normed = fused.add_rmsnorm(x, self.norm, self.cfg.rms_norm_eps, *pending)
+        if not self.feature_layers:
+            return normed, normed
+        return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
+
+    def _fused_layer(self, i: int, x: torch.Tensor, pending, positions: torch.Tensor, kv, aux: dict):
+        """Layer i in 8 launches -> (its input x, its (MLP output, post norm) still to add)."""
+        from plugins import fused
+
+        cfg, layer, eps = self.cfg, self.layers[i], self.cfg.rms_norm_eps
+        x, hn = fused.add_rmsnorm(x, layer.attn_norm, eps, *(pending or ()))
+        if i in self.feature_layers:
+            aux[i] = x
+        k_cache, v_cache, wslot, wcol = kv.cache(i)
+        q = fused.rope_kv(layer.qkv(hn), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
+                          cfg.num_kv_heads, k_cache, v_cache, wslot, wcol)
+        o = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
+        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o), layer.post_attn_norm)
+        return x, (layer.down(self._gated(layer.gate_up, hn)), layer.post_mlp_norm)
+
+    def _gated(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the gate_up linear: its epilogue (plugins/fused.py) where the linear
+        runs the invariant kernels, else the torch ops."""
+        gelu = self.cfg.activation == "gelu_tanh"
+        if lin.kernel and not lin.qin:
+            from plugins import fused
+
+            if lin.wq is not None:
+                return fused.gate_up_act(x, lin.wq[0], gelu, lin.wq[1], lin.recipe.weight_block)
+            return fused.gate_up_act(x, lin.w, gelu)
+        g, u = lin(x).split(self.cfg.intermediate_size, -1)
+        return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+
+    def head(self, normed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """A step's final-norm rows [B, T, H] and the nodes to read [B, R] -> logits [B, R, V]
+        float32 (the LM head kernel gathers them where the forward is fused)."""
+        b, t = normed.shape[:2]
+        if self._invariant and self.fused:
+            from plugins import fused
+
+            return fused.lm_head(normed.reshape(b * t, -1), index, t, self.lm_head, self.cfg.final_logit_softcap)
+        rows = normed[torch.arange(b, device=normed.device)[:, None], index]
+        return self.logits(rows.reshape(-1, rows.shape[-1])).view(b, index.shape[1], -1)
 
     def _layer(self, i: int, x: torch.Tensor, embeds: torch.Tensor | None, positions: torch.Tensor,
                kv: KVAccess) -> torch.Tensor:

@@ -100,9 +100,7 @@ class TorchRuntime(SlotSequences):
         feats = x["features"].reshape(b * t, -1) if "features" in x else None
         hidden, normed = self.model.forward(x["ids"].reshape(-1), x["pos"].reshape(-1), kv, feats)
         hidden, normed = hidden.view(b, t, -1), normed.view(b, t, -1)
-        rows = normed[torch.arange(b, device=self.device)[:, None], x["index"]]
-        logits = self.model.logits(rows.reshape(-1, rows.shape[-1])).view(b, x["index"].shape[1], -1)
-        return logits, hidden
+        return self.model.head(normed, x["index"]), hidden
 
     def _replay(self, bucket: tuple[int, int], host: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy `host` into the bucket's static buffers (padding rows and nodes write into the
@@ -186,13 +184,19 @@ class _SlotKV:
     def __init__(self, rt: TorchRuntime, x: dict):
         self.rt, self.x = rt, x
         self.wslot, self.wcol = x["wslot"].reshape(-1), x["wcol"].reshape(-1)
+        self.fused = rt.kernels              # the model's fused kernels write the cache (cache())
+
+    def cache(self, layer: int) -> tuple:
+        """(k cache, v cache) [S + 1, Hkv, L, D] of `layer` and the new tokens' (slot, column) [N]."""
+        return self.rt.cache[layer, 0], self.rt.cache[layer, 1], self.wslot, self.wcol
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         c = self.rt.cache[layer]
         c[0, self.wslot, :, self.wcol] = k.to(c.dtype)
         c[1, self.wslot, :, self.wcol] = v.to(c.dtype)
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> [N, Hq, D] float32, or `dtype` (the kernel rounds its output as .to(dtype) does)."""
         b, t = self.x["ids"].shape
         q = q.view(b, t, q.shape[1], q.shape[2])
         kc, vc = self.rt.cache[layer, 0], self.rt.cache[layer, 1]
@@ -201,11 +205,11 @@ class _SlotKV:
             from plugins.kernels import tree_attention
 
             o = tree_attention(q.contiguous(), kc, vc, self.x["slots"], self.x["ctx"], self.x["paths"], scale,
-                               window, cap)
+                               window, cap, dtype)
         else:
             from plugins.reference import tree_attention_ref
 
             o = torch.from_numpy(tree_attention_ref(
                 q.float().numpy(), kc.float().numpy(), vc.float().numpy(), self.x["slots"].numpy(),
                 self.x["ctx"].numpy(), self.x["paths"].numpy(), scale, window, cap))
-        return o.view(b * t, q.shape[2], q.shape[3])
+        return o.view(b * t, q.shape[2], q.shape[3]) if dtype is None else o.view(b * t, q.shape[2], q.shape[3]).to(dtype)
