@@ -26,19 +26,26 @@ import triton.language as tl
 
 from plugins import kernels
 from plugins.kernels import (LINEAR_BLOCK_K, LINEAR_BLOCK_M, _dot, _load_rows, _rms, _rms_apply, _rounded, _tanh,
-                             _tile, _round_bf16, interpreted, linear_block_n)
+                             _split_sum, _tile, _w_tile, interpreted,
+                             linear_block_n)
 
 
-@triton.jit
-def add_rmsnorm_kernel(x_ptr, h_ptr, pw_ptr, w_ptr, xo_ptr, y_ptr, H, sx, sh, sxo, sy, eps,
-                       HAS_RES: tl.constexpr, POST: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: (HAS_RES) x += h (POST: h RMS-normed by pw first), stored to xo; y = RMSNorm(x) w."""
+@triton.jit(do_not_specialize=["M"])
+def add_rmsnorm_kernel(x_ptr, h_ptr, hb_ptr, pw_ptr, w_ptr, xo_ptr, y_ptr, M, H, sx, sh, sxo, sy, eps,
+                       HAS_RES: tl.constexpr, SPLIT: tl.constexpr, H_BIAS: tl.constexpr, POST: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """One row: (HAS_RES) x += h (POST: h RMS-normed by pw first), stored to xo; y = RMSNorm(x) w.
+    SPLIT > 1: h is a split linear's partials [SPLIT, M, H] (+ its bias hb where H_BIAS), made
+    here the value kernels.split_reduce would store (the same sum in the same order, rounded)."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     DT = y_ptr.dtype.element_ty
     x = tl.load(x_ptr + r * sx + c, mask=c < H, other=0.0).to(tl.float32)
     if HAS_RES:
-        h = tl.load(h_ptr + r * sh + c, mask=c < H, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            h = _split_sum(h_ptr, hb_ptr, r, c, M, H, SPLIT, H_BIAS).to(DT).to(tl.float32)
+        else:
+            h = tl.load(h_ptr + r * sh + c, mask=c < H, other=0.0).to(tl.float32)
         if POST:
             h = _rms_apply(h, _rms(h, H, eps), pw_ptr, c, H, DT).to(DT).to(tl.float32)
         x = _rounded(x + h, DT)
@@ -87,18 +94,6 @@ def rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, wn_ptr, q_ptr, kc_ptr, vc
         at = tl.load(wslot_ptr + n).to(tl.int64) * sc_s + (h - NH - NKV) * sc_h + tl.load(wcol_ptr + n).to(tl.int64) * sc_l
         v = tl.load(row + c).to(tl.float32)
         tl.store(vc_ptr + at + c, _rounded(v, vc_ptr.dtype.element_ty).to(vc_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _w_tile(w_ptr, s_ptr, rows, ok, kk, K, swn, ssn, SR, SC, W8: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of weight rows `rows` (valid where ok): bf16 / float32 values,
-    or (W8) FP8 codes times their block scales rounded to bf16 (kernels.linear_w8_kernel's)."""
-    mask = ok[None, :] & (kk[:, None] < K)
-    w = tl.load(w_ptr + rows[None, :] * swn + kk[:, None], mask=mask, other=0.0)
-    if W8:
-        sc = tl.load(s_ptr + (rows[None, :] // SR) * ssn + kk[:, None] // SC, mask=mask, other=0.0)
-        w = _round_bf16(w.to(tl.float32) * sc)
-    return w
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -158,17 +153,23 @@ def embed_kernel(ids_ptr, e_ptr, s_ptr, y_ptr, H, se, sy, HAS_SCALE: tl.constexp
 
 def add_rmsnorm(x, w, eps: float, h=None, post=None):
     """-> (x + h (h normed by `post` first, where given), RMSNorm of it times w): x, h [M, H]
-    rows of the compute dtype; without h, (x, RMSNorm(x) w)."""
+    rows of the compute dtype, or h a split linear's kernels.Partials (reduced here, the split
+    reduction's launch saved); without h, (x, RMSNorm(x) w)."""
     import torch
 
     m, hd = x.shape
     y = torch.empty_like(x)
     xo = x if h is None else torch.empty_like(x)
-    hh = x if h is None else h
+    split = isinstance(h, kernels.Partials)
+    hh = x if h is None else (h.p if split else h)
+    hb = h.bias if split and h.bias is not None else hh
+    if split:
+        assert h.p.shape[1:] == (m, hd) and h.dtype == x.dtype, (h.p.shape, x.shape, h.dtype)
     if m:
-        kernels.launch(add_rmsnorm_kernel, (m,), x, hh, w if post is None else post, w, xo, y, hd, x.stride(0),
-                       hh.stride(0), xo.stride(0), y.stride(0), float(eps), HAS_RES=h is not None,
-                       POST=post is not None, BLOCK=kernels._next_pow2(hd))
+        kernels.launch(add_rmsnorm_kernel, (m,), x, hh, hb, w if post is None else post, w, xo, y, m, hd,
+                       x.stride(0), 0 if split else hh.stride(0), xo.stride(0), y.stride(0), float(eps),
+                       HAS_RES=h is not None, SPLIT=h.p.shape[0] if split else 1,
+                       H_BIAS=split and h.bias is not None, POST=post is not None, BLOCK=kernels._next_pow2(hd))
     return xo, y
 
 
@@ -245,9 +246,10 @@ def signatures(kv_dtype: str = "bf16", head_dim: int = 128, **_) -> dict:
     runtime launches them (a Llama-3-8B shape; kernels.compile_ptx compiles them)."""
     dt = kv_dtype
     i32 = lambda *names: {n: "i32" for n in names}
-    norm = {"x_ptr": f"*{dt}", "h_ptr": f"*{dt}", "pw_ptr": f"*{dt}", "w_ptr": f"*{dt}", "xo_ptr": f"*{dt}",
-            "y_ptr": f"*{dt}", **i32("H", "sx", "sh", "sxo", "sy"), "eps": "fp32", "HAS_RES": "constexpr",
-            "POST": "constexpr", "BLOCK": "constexpr"}
+    norm = {"x_ptr": f"*{dt}", "h_ptr": f"*{dt}", "hb_ptr": f"*{dt}", "pw_ptr": f"*{dt}", "w_ptr": f"*{dt}",
+            "xo_ptr": f"*{dt}", "y_ptr": f"*{dt}", **i32("M", "H", "sx", "sh", "sxo", "sy"), "eps": "fp32",
+            **{n: "constexpr" for n in ("HAS_RES", "SPLIT", "H_BIAS", "POST", "BLOCK")}}
+    norm_split = {**norm, "h_ptr": "*fp32"}
     rope = {"qkv_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "wn_ptr": f"*{dt}",
             "q_ptr": "*fp32", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "wslot_ptr": "*i64", "wcol_ptr": "*i64",
             **i32("sqkv", "scs", "sq_n", "sq_h", "sc_s", "sc_h", "sc_l"), "eps": "fp32",
@@ -262,7 +264,10 @@ def signatures(kv_dtype: str = "bf16", head_dim: int = 128, **_) -> dict:
            "HAS_SCALE": "constexpr", "BLOCK": "constexpr"}
     t = {"IEEE": dt == "fp32", "BLOCK_M": LINEAR_BLOCK_M, "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}
     return {
-        "add_rmsnorm": (add_rmsnorm_kernel, norm, {"HAS_RES": True, "POST": True, "BLOCK": 4096}),
+        "add_rmsnorm": (add_rmsnorm_kernel, norm, {"HAS_RES": True, "SPLIT": 1, "H_BIAS": False, "POST": True,
+                                                   "BLOCK": 4096}),
+        "add_rmsnorm_split": (add_rmsnorm_kernel, norm_split, {"HAS_RES": True, "SPLIT": 4, "H_BIAS": True,
+                                                               "POST": False, "BLOCK": 4096}),
         "rope_kv": (rope_kv_kernel, rope, {"NH": 32, "NKV": 8, "D": head_dim, "QK_NORM": True}),
         "gate_up_act": (gate_up_act_kernel, gu, {"GELU": True, "W8": False, **t}),
         "gate_up_act_w8": (gate_up_act_kernel, gu8, {"GELU": False, "W8": True, **{**t, "IEEE": False}}),

@@ -38,7 +38,9 @@ Knows: tensors, kernels. Does not know: requests, models.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # Triton 3.9's default, stated
 import triton  # noqa: E402
@@ -403,6 +405,59 @@ def linear_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, ssn, 
 
 
 @triton.jit
+def _w_tile(w_ptr, s_ptr, rows, ok, kk, K, swn, ssn, SR, SC, W8: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of weight rows `rows` (valid where ok): bf16 / float32 values,
+    or (W8) FP8 codes times their block scales rounded to bf16 (linear_w8_kernel's)."""
+    mask = ok[None, :] & (kk[:, None] < K)
+    w = tl.load(w_ptr + rows[None, :] * swn + kk[:, None], mask=mask, other=0.0)
+    if W8:
+        sc = tl.load(s_ptr + (rows[None, :] // SR) * ssn + kk[:, None] // SC, mask=mask, other=0.0)
+        w = _round_bf16(w.to(tl.float32) * sc)
+    return w
+
+
+@triton.jit(do_not_specialize=["M"])
+def linear_split_kernel(x_ptr, w_ptr, s_ptr, p_ptr, M, N, K, KS, sxm, swn, ssn, SR, SC, W8: tl.constexpr,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K: program (row block, column block, split s) sums K from s KS to min((s + 1) KS, K)
+    in BLOCK_K steps (KS a multiple of BLOCK_K) into the float32 partials p[s, M, N]; bf16 or
+    (W8) FP8 weights as linear_kernel / linear_w8_kernel read them. What a row's partial holds
+    depends on K, KS and the tiles only, never on M."""
+    rm, rn, rk, acc = _tile(BLOCK_M, BLOCK_N, BLOCK_K)
+    s = tl.program_id(2)
+    for k0 in range(s * KS, tl.minimum(s * KS + KS, K), BLOCK_K):
+        kk = k0 + rk
+        a = _load_rows(x_ptr, rm, kk, sxm, M, K)
+        acc = _dot(a, _w_tile(w_ptr, s_ptr, rn, rn < N, kk, K, swn, ssn, SR, SC, W8), acc, IEEE)
+    at = (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(p_ptr + at, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _split_sum(p_ptr, b_ptr, r, c, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row r's columns c of a split linear: its partials added in the order 0, 1, ..., SPLIT - 1,
+    then the bias (float32, before the output's rounding, as _store_rows adds it)."""
+    ok = c < N
+    acc = tl.load(p_ptr + r.to(tl.int64) * N + c, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + (s * M + r).to(tl.int64) * N + c, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, sym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (row r, column block): y[r] = the partials' sum in a fixed order (+ b), rounded
+    to y's dtype as linear_kernel's epilogue rounds it."""
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = _split_sum(p_ptr, b_ptr, r, c, M, N, SPLIT, HAS_BIAS)
+    tl.store(y_ptr + r.to(tl.int64) * sym + c, acc.to(y_ptr.dtype.element_ty), mask=c < N)
+
+
+@triton.jit
 def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
     """One row: x / sqrt(mean(x^2) + eps) in float32, rounded to the output dtype, times w
     (runtime/torch_model.py TorchModel._rmsnorm's numbers)."""
@@ -434,6 +489,19 @@ def _rms_apply(x, rms, w_ptr, c, H, DT: tl.constexpr):
 
 
 LINEAR_BLOCK_M, LINEAR_BLOCK_K = 16, 64
+DEFAULT_SMS = 132       # an H100 / H200 SXM's SMs: the plan's count where no GPU is (CPU, interpreter, tests)
+SPLIT_BLOCK_K = 128     # K per step of a split program (its K range is a whole number of them)
+SPLIT_MIN_K = 512       # K per split at least this: a shorter stream is not worth the partials' round trip
+SPLIT_MAX = 16
+REDUCE_BLOCK = 1024     # columns per program of the split reduction
+
+
+class LinearPlan(NamedTuple):
+    """How a linear runs: columns and K per program step, warps, and K splits (1: linear_kernel)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int
 
 
 def linear_block_n(n: int) -> int:
@@ -442,44 +510,118 @@ def linear_block_n(n: int) -> int:
     return 64 if n >= 64 * 256 else 32
 
 
-def linear(x, w, bias=None):
-    """Launch linear_kernel: x [M, K], w [N, K] (row-major K), bias [N] or None -> [M, N] in x's
-    dtype; float32 inputs take IEEE dots, others bf16 tensor-core dots (in the interpreter IEEE
-    float32 dots of the bf16 values: Triton 3.9's interpreted bf16 dot is wrong), float32
-    accumulation."""
+def linear_plan(n: int, k: int, sms: int = DEFAULT_SMS) -> LinearPlan:
+    """The tiles of a [N, K] weight on a GPU of `sms` SMs, from those three numbers only (never
+    M: a row's bits are the same at any M). Where the column tiles fill the SMs, linear_kernel's
+    tiles (split 1). Where they do not, K splits in powers of two until the programs number at
+    least twice the SMs (a decode's one row block then streams the weight from every SM), while
+    a split keeps >= SPLIT_MIN_K of K; ranges of SPLIT_BLOCK_K steps, the empty ones dropped."""
+    bn = linear_block_n(n)
+    tiles = -(-n // bn)
+    split = 1
+    if tiles < sms:
+        while split < SPLIT_MAX and tiles * split < 2 * sms and k // (2 * split) >= SPLIT_MIN_K:
+            split *= 2
+    if split == 1:
+        return LinearPlan(bn, LINEAR_BLOCK_K, 4, 1)
+    return LinearPlan(bn, SPLIT_BLOCK_K, 4, -(-k // split_range(k, split)))
+
+
+def split_range(k: int, split: int) -> int:
+    """K per split: k / split rounded up to whole SPLIT_BLOCK_K steps."""
+    return -(-k // (split * SPLIT_BLOCK_K)) * SPLIT_BLOCK_K
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The SMs of a CUDA device (the plan's input), DEFAULT_SMS elsewhere."""
+    if device.type != "cuda" or interpreted():
+        return DEFAULT_SMS
+    return _device_sms(device.index if device.index is not None else 0)
+
+
+class Partials(NamedTuple):
+    """A split linear not yet reduced: p [SPLIT, M, N] float32, its bias or None, the output
+    dtype. split_reduce (or fused.add_rmsnorm, which adds them in the same order) finishes it."""
+    p: object
+    bias: object
+    dtype: object
+
+
+def _run_linear(x, w, scale, block, bias, reduce: bool, sms):
+    """linear / linear_w8 by the plan of w's shape: linear_kernel's tiles, or split-K partials
+    (reduced unless not `reduce`: then Partials)."""
     import torch
 
     m, k = x.shape
     n = w.shape[0]
-    assert w.shape[1] == k and w.stride(1) == 1, (x.shape, w.shape, w.stride())
-    x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bn = linear_block_n(n)
-    launch(linear_kernel, (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn)),
-           x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-           HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn,
-           BLOCK_K=LINEAR_BLOCK_K)
+    plan = linear_plan(n, k, sms or sm_count(x.device))
+    w8 = scale is not None
+    ieee = x.dtype == torch.float32 or interpreted()
+    if plan.split_k == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, plan.block_n))
+        b = bias if bias is not None else (scale if w8 else w)
+        if w8:
+            launch(linear_w8_kernel, grid, x, w, scale, b, y, m, n, k, x.stride(0), w.stride(0), scale.stride(0),
+                   y.stride(0), block[0], block[1] or k, HAS_BIAS=bias is not None, IEEE=ieee,
+                   BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps)
+        else:
+            launch(linear_kernel, grid, x, w, b, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                   HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=plan.block_n,
+                   BLOCK_K=plan.block_k, num_warps=plan.num_warps)
+        return y
+    p = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
+    s = scale if w8 else w
+    launch(linear_split_kernel, (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, plan.block_n), plan.split_k),
+           x, w, s, p, m, n, k, split_range(k, plan.split_k), x.stride(0), w.stride(0), s.stride(0),
+           block[0], block[1] or k, W8=w8, IEEE=ieee, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=plan.block_n,
+           BLOCK_K=plan.block_k, num_warps=plan.num_warps)
+    parts = Partials(p, bias, x.dtype)
+    return split_reduce(parts) if reduce else parts
+
+
+def split_reduce(parts: Partials):
+    """Launch split_reduce_kernel: a split linear's output [M, N] in its dtype."""
+    import torch
+
+    split, m, n = parts.p.shape
+    y = torch.empty((m, n), dtype=parts.dtype, device=parts.p.device)
+    if m:
+        launch(split_reduce_kernel, (m, triton.cdiv(n, REDUCE_BLOCK)), parts.p,
+               parts.bias if parts.bias is not None else parts.p, y, m, n, y.stride(0), SPLIT=split,
+               HAS_BIAS=parts.bias is not None, BLOCK=REDUCE_BLOCK)
     return y
 
 
-def linear_w8(x, w8, scale, block: tuple[int, int], bias=None):
-    """Launch linear_w8_kernel: x [M, K] (bf16), w8 [N, K] float8 E4M3, scale [ceil(N / r),
-    ceil(K / c)] float32 for weight blocks `block` = (r, c) (c 0: a whole row, runtime/fp8.py),
-    bias [N] or None -> [M, N] in x's dtype; the tiles and dots of `linear`."""
+def linear(x, w, bias=None, reduce: bool = True, sms: int | None = None):
+    """x [M, K], w [N, K] (row-major K), bias [N] or None -> [M, N] in x's dtype, by
+    linear_plan(N, K, sms: this GPU's SMs where not given): linear_kernel, or split-K (its
+    partials, Partials, where not `reduce`); float32 inputs take IEEE dots, others bf16
+    tensor-core dots (in the interpreter IEEE float32 dots of the bf16 values: Triton 3.9's
+    interpreted bf16 dot is wrong), float32 accumulation."""
+    m, k = x.shape
+    assert w.shape[1] == k and w.stride(1) == 1, (x.shape, w.shape, w.stride())
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return _run_linear(x, w, None, (1, 0), bias, reduce, sms)
+
+
+def linear_w8(x, w8, scale, block: tuple[int, int], bias=None, reduce: bool = True, sms: int | None = None):
+    """x [M, K] (bf16), w8 [N, K] float8 E4M3, scale [ceil(N / r), ceil(K / c)] float32 for
+    weight blocks `block` = (r, c) (c 0: a whole row, runtime/fp8.py), bias [N] or None ->
+    [M, N] in x's dtype; the plan, tiles and dots of `linear`."""
     import torch
 
     m, k = x.shape
-    n = w8.shape[0]
     assert w8.shape[1] == k and w8.stride(1) == 1 and w8.dtype == torch.float8_e4m3fn, (x.shape, w8.shape, w8.dtype)
-    scale = scale.float().contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bn = linear_block_n(n)
-    launch(linear_w8_kernel, (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, bn)),
-           x, w8, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), w8.stride(0), scale.stride(0),
-           y.stride(0), block[0], block[1] or k, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted(),
-           BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K)
-    return y
+    return _run_linear(x, w8, scale.float().contiguous(), block, bias, reduce, sms)
 
 
 def rmsnorm(x, w, eps: float):
@@ -582,7 +724,7 @@ def verify_plugin(logits, tokens, parents, temperature, top_k, top_p, min_p, see
 _STRIDES = ("sq_b", "sq_t", "sq_h", "sk_s", "sk_h", "sk_l", "so_b", "so_t", "so_h", "sp_b", "sp_t")
 
 
-def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> dict:
+def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, w_fp8: bool = False) -> dict:
     """Kernel name -> (jit function, signature, constexprs) of the variants the GPU runtime
     launches, for compiling ahead of time (CI's PTX check, TensorRT plugins)."""
     attn = {"q_ptr": f"*{kv_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}", "o_ptr": "*fp32",
@@ -602,7 +744,17 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4) -> d
           "N": "i32", "K": "i32", "sxm": "i32", "swn": "i32", "ssn": "i32", "sym": "i32", "SR": "i32", "SC": "i32",
           "HAS_BIAS": "constexpr", "IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_K": "constexpr"}
+    wdt = "fp8e4nv" if w_fp8 else kv_dtype
+    split = {"x_ptr": f"*{kv_dtype}", "w_ptr": f"*{wdt}", "s_ptr": "*fp32", "p_ptr": "*fp32",
+             **{n: "i32" for n in ("M", "N", "K", "KS", "sxm", "swn", "ssn", "SR", "SC")},
+             **{n: "constexpr" for n in ("W8", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    red = {"p_ptr": "*fp32", "b_ptr": f"*{kv_dtype}", "y_ptr": f"*{kv_dtype}", "M": "i32", "N": "i32", "sym": "i32",
+           "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
     return {
+        "linear_split": (linear_split_kernel, split, {"W8": w_fp8, "IEEE": kv_dtype == "fp32",
+                                                      "BLOCK_M": LINEAR_BLOCK_M, "BLOCK_N": 32,
+                                                      "BLOCK_K": SPLIT_BLOCK_K}),
+        "split_reduce": (split_reduce_kernel, red, {"SPLIT": 4, "HAS_BIAS": True, "BLOCK": REDUCE_BLOCK}),
         "linear_w8": (linear_w8_kernel, w8, {"HAS_BIAS": False, "IEEE": False, "BLOCK_M": LINEAR_BLOCK_M,
                                              "BLOCK_N": 64, "BLOCK_K": LINEAR_BLOCK_K}),
         "linear": (linear_kernel, lin, {"HAS_BIAS": True, "IEEE": kv_dtype == "fp32", "BLOCK_M": LINEAR_BLOCK_M,
