@@ -1,8 +1,10 @@
 """The load a deployment sees every minute, as a soak: streams over HTTP `generate_stream`, many
 at a time, the drafter cycling `auto`, `prompt-lookup`, `eagle`, `none`, greedy and seeded
 sampling alternating (each drafter gets both), and every third client closing its connection
-after its third streamed event. It counts what a user would: every request that was not cut by
-its client must end with a finish reason, never an error or silence.
+after its third streamed event; given the OpenAI front's URL, every other request goes through
+its /v1/chat/completions instead (backend/serve/openai_api.py, the same mix). It counts what a
+user would: every request that was not cut by its client must end with a finish reason, never
+an error or silence.
 
 Used by the fault suite (tests/test_faults_soak.py) and by hand against any running server:
   python -m backend.bench.soak --url 127.0.0.1:8000 --model specdec --requests 240 --concurrency 12
@@ -45,14 +47,28 @@ def request_body(i: int, messages: list[dict], max_tokens: int) -> dict:
     return body
 
 
-def one_request(url: str, model: str, body: dict, cut_after: int | None, timeout_s: float) -> str | None:
-    """Stream one request; cut the connection after `cut_after` events if given.
+def openai_body(i: int, messages: list[dict], max_tokens: int) -> dict:
+    """Request i of the mix for the OpenAI door: the same drafter, temperature and seed."""
+    t = request_body(i, messages, max_tokens)
+    return {"model": "specdec", "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": t.get("temperature", 0.0), "seed": t["random_seed"], "drafter": t["drafter"]}
+
+
+def _finish(event: dict) -> str:
+    """An event's finish reason, Triton's (top level) or OpenAI's (its choice's)."""
+    if "choices" in event:
+        return (event["choices"][0].get("finish_reason") or "") if event["choices"] else ""
+    return event.get("finish_reason") or ""
+
+
+def one_request(url: str, path: str, body: dict, cut_after: int | None, timeout_s: float) -> str | None:
+    """Stream one request to `path` (Triton's generate_stream or OpenAI's chat completions: both
+    server-sent events); cut the connection after `cut_after` events if given.
     -> None when it finished (or was cut as planned), else what went wrong."""
     host, port = url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             return f"HTTP {resp.status}: {resp.read()[:200]!r}"
@@ -63,11 +79,13 @@ def one_request(url: str, model: str, body: dict, cut_after: int | None, timeout
                 break
             if not line.startswith(b"data:"):
                 continue
+            if line[5:].strip() == b"[DONE]":
+                break
             event = json.loads(line[5:])
             if "error" in event:
                 return f"error after {events} events: {event['error']}"
             events += 1
-            finish = event.get("finish_reason") or finish
+            finish = _finish(event) or finish
             if cut_after is not None and events >= cut_after:
                 conn.sock.shutdown(socket.SHUT_RDWR)          # the client goes away mid-stream
                 return None
@@ -80,13 +98,20 @@ def one_request(url: str, model: str, body: dict, cut_after: int | None, timeout
 
 def run(url: str, model: str, requests: int = 240, concurrency: int = 12, max_tokens: int = 48,
         cut_every: int = 3, cut_after: int = 3, prompts_path: Path = PROMPTS,
-        timeout_s: float = 300.0) -> SoakResult:
+        timeout_s: float = 300.0, openai_url: str | None = None) -> SoakResult:
+    """The soak against Triton's HTTP door at `url` (model `model`); with openai_url, every other
+    request (the odd ones) through the OpenAI front there instead."""
     prompts = [json.loads(line)["messages"] for line in prompts_path.read_text().splitlines() if line.strip()]
     result, lock = SoakResult(), threading.Lock()
 
     def go(i: int) -> None:
         cut = cut_after if cut_every and i % cut_every == cut_every - 1 else None
-        err = one_request(url, model, request_body(i, prompts[i % len(prompts)], max_tokens), cut, timeout_s)
+        messages = prompts[i % len(prompts)]
+        if openai_url and i % 2:
+            err = one_request(openai_url, "/v1/chat/completions", openai_body(i, messages, max_tokens), cut, timeout_s)
+        else:
+            err = one_request(url, f"/v2/models/{model}/generate_stream", request_body(i, messages, max_tokens), cut,
+                              timeout_s)
         with lock:
             if err is not None:
                 result.failed.append(f"request {i} ({DRAFTERS[i % len(DRAFTERS)]}): {err}")
@@ -110,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
+    ap.add_argument("--openai-url", default=None, help="host:port of the OpenAI front: every other request there")
     a = ap.parse_args(argv)
-    result = run(a.url, a.model, a.requests, a.concurrency, a.max_tokens, prompts_path=a.prompts)
+    result = run(a.url, a.model, a.requests, a.concurrency, a.max_tokens, prompts_path=a.prompts,
+                 openai_url=a.openai_url)
     print(json.dumps(result.as_dict()))
     return 1 if result.failed else 0
 
