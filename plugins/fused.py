@@ -55,12 +55,24 @@ def add_rmsnorm_kernel(x_ptr, h_ptr, hb_ptr, pw_ptr, w_ptr, xo_ptr, y_ptr, M, H,
 
 
 @triton.jit
-def _head_in(row, wn_ptr, c, D: tl.constexpr, eps, QK_NORM: tl.constexpr, DT: tl.constexpr):
-    """A head's entries and their rotate_half partners (c + D/2 mod D), float32; QK_NORM: both
-    RMS-normed by the head's scale (wn: its weights [D]) and rounded to DT as the norm stores."""
+def _qkv_in(qkv_ptr, hb_ptr, n, cols, M, sqkv, W: tl.constexpr, SPLIT: tl.constexpr, H_BIAS: tl.constexpr):
+    """Columns `cols` of qkv row n, float32: the stored row, or (SPLIT > 1) a split linear's
+    partials [SPLIT, M, W] summed (+ its bias hb) and rounded as kernels.split_reduce stores them."""
+    if SPLIT > 1:
+        return _split_sum(qkv_ptr, hb_ptr, n, cols, M, W, SPLIT, H_BIAS).to(hb_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(qkv_ptr + n * sqkv + cols).to(tl.float32)
+
+
+@triton.jit
+def _head_in(qkv_ptr, hb_ptr, n, base, M, sqkv, wn_ptr, c, D: tl.constexpr, eps, QK_NORM: tl.constexpr,
+             W: tl.constexpr, SPLIT: tl.constexpr, H_BIAS: tl.constexpr):
+    """A head's entries (qkv row n from column base) and their rotate_half partners (c + D/2 mod
+    D), float32; QK_NORM: both RMS-normed by the head's scale (wn: its weights [D]) and rounded
+    to the compute dtype (hb's) as the norm stores."""
+    DT = hb_ptr.dtype.element_ty
     cr = (c + D // 2) % D
-    x = tl.load(row + c).to(tl.float32)
-    xr = tl.load(row + cr).to(tl.float32)
+    x = _qkv_in(qkv_ptr, hb_ptr, n, base + c, M, sqkv, W, SPLIT, H_BIAS)
+    xr = _qkv_in(qkv_ptr, hb_ptr, n, base + cr, M, sqkv, W, SPLIT, H_BIAS)
     if QK_NORM:
         rms = _rms(x, D, eps)
         x = _rms_apply(x, rms, wn_ptr, c, D, DT).to(DT).to(tl.float32)
@@ -68,19 +80,23 @@ def _head_in(row, wn_ptr, c, D: tl.constexpr, eps, QK_NORM: tl.constexpr, DT: tl
     return x, xr
 
 
-@triton.jit
-def rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, wn_ptr, q_ptr, kc_ptr, vc_ptr, wslot_ptr, wcol_ptr,
-                   sqkv, scs, sq_n, sq_h, sc_s, sc_h, sc_l, eps,
-                   NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def rope_kv_kernel(qkv_ptr, hb_ptr, pos_ptr, cos_ptr, sin_ptr, wn_ptr, q_ptr, kc_ptr, vc_ptr, wslot_ptr, wcol_ptr,
+                   M, sqkv, scs, sq_n, sq_h, sc_s, sc_h, sc_l, eps,
+                   NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+                   SPLIT: tl.constexpr, H_BIAS: tl.constexpr):
     """Program (token n, head h of the NH + 2 NKV in a qkv row): q heads normed (QK_NORM),
     rotated and stored to q [N, NH, D] (float32); k heads the same, stored to the cache at the
-    token's (slot, column) in the cache's dtype; v heads copied there."""
+    token's (slot, column) in the cache's dtype; v heads copied there. The qkv rows: stored
+    (SPLIT 1; hb the rows again) or a split linear's partials [SPLIT, M, W] and hb its bias
+    (H_BIAS) or another tensor of its dtype."""
+    W = (NH + 2 * NKV) * D
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.arange(0, D)
-    row = qkv_ptr + n * sqkv + h * D
     if h < NH + NKV:
-        x, xr = _head_in(row, wn_ptr + (h >= NH).to(tl.int32) * D, c, D, eps, QK_NORM, qkv_ptr.dtype.element_ty)
+        x, xr = _head_in(qkv_ptr, hb_ptr, n, h * D, M, sqkv, wn_ptr + (h >= NH).to(tl.int32) * D, c, D, eps,
+                         QK_NORM, W, SPLIT, H_BIAS)
         p = tl.load(pos_ptr + n).to(tl.int64)
         cos = tl.load(cos_ptr + p * scs + c % (D // 2))
         sin = tl.load(sin_ptr + p * scs + c % (D // 2))
@@ -92,7 +108,7 @@ def rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, wn_ptr, q_ptr, kc_ptr, vc
             tl.store(kc_ptr + at + c, _rounded(out, kc_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty))
     else:
         at = tl.load(wslot_ptr + n).to(tl.int64) * sc_s + (h - NH - NKV) * sc_h + tl.load(wcol_ptr + n).to(tl.int64) * sc_l
-        v = tl.load(row + c).to(tl.float32)
+        v = _qkv_in(qkv_ptr, hb_ptr, n, h * D + c, M, sqkv, W, SPLIT, H_BIAS)
         tl.store(vc_ptr + at + c, _rounded(v, vc_ptr.dtype.element_ty).to(vc_ptr.dtype.element_ty))
 
 
@@ -174,21 +190,28 @@ def add_rmsnorm(x, w, eps: float, h=None, post=None):
 
 
 def rope_kv(qkv, positions, cos, sin, qk_norm, eps: float, nh: int, nkv: int, k_cache, v_cache, wslot, wcol):
-    """qkv [N, (nh + 2 nkv) D] -> q [N, nh, D] float32 (q/k normed per head by qk_norm [2, D]
-    where given, rotated at `positions` by the tables cos / sin [P, D/2]); k and v written to
-    k_cache / v_cache [S, nkv, L, D] at (wslot, wcol) [N]."""
+    """qkv [N, (nh + 2 nkv) D] (or a split qkv linear's kernels.Partials, reduced here) -> q [N,
+    nh, D] float32 (q/k normed per head by qk_norm [2, D] where given, rotated at `positions` by
+    the tables cos / sin [P, D/2]); k and v written to k_cache / v_cache [S, nkv, L, D] at
+    (wslot, wcol) [N]."""
     import torch
 
-    n = qkv.shape[0]
+    split = isinstance(qkv, kernels.Partials)
+    rows = qkv.p[0] if split else qkv
+    n, w = rows.shape
     d = cos.shape[1] * 2
-    assert qkv.shape[1] == (nh + 2 * nkv) * d and qkv.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    assert w == (nh + 2 * nkv) * d and rows.stride(1) == 1 and k_cache.stride() == v_cache.stride()
     assert cos.stride() == sin.stride() and cos.stride(1) == 1 and k_cache.stride(3) == 1
-    q = torch.empty((n, nh, d), dtype=torch.float32, device=qkv.device)
+    q = torch.empty((n, nh, d), dtype=torch.float32, device=rows.device)
+    hb = qkv
+    if split:                       # the bias, or any tensor of the linear's dtype (the rounding's)
+        hb = qkv.bias if qkv.bias is not None else torch.empty(0, dtype=qkv.dtype, device=rows.device)
     if n:
-        kernels.launch(rope_kv_kernel, (n, nh + 2 * nkv), qkv, positions, cos, sin,
-                       cos if qk_norm is None else qk_norm, q, k_cache, v_cache, wslot, wcol, qkv.stride(0),
+        kernels.launch(rope_kv_kernel, (n, nh + 2 * nkv), qkv.p if split else qkv, hb, positions, cos, sin,
+                       cos if qk_norm is None else qk_norm, q, k_cache, v_cache, wslot, wcol, n, rows.stride(0),
                        cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                       k_cache.stride(2), float(eps), NH=nh, NKV=nkv, D=d, QK_NORM=qk_norm is not None)
+                       k_cache.stride(2), float(eps), NH=nh, NKV=nkv, D=d, QK_NORM=qk_norm is not None,
+                       SPLIT=qkv.p.shape[0] if split else 1, H_BIAS=split and qkv.bias is not None)
     return q
 
 
@@ -250,10 +273,11 @@ def signatures(kv_dtype: str = "bf16", head_dim: int = 128, **_) -> dict:
             "xo_ptr": f"*{dt}", "y_ptr": f"*{dt}", **i32("M", "H", "sx", "sh", "sxo", "sy"), "eps": "fp32",
             **{n: "constexpr" for n in ("HAS_RES", "SPLIT", "H_BIAS", "POST", "BLOCK")}}
     norm_split = {**norm, "h_ptr": "*fp32"}
-    rope = {"qkv_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "wn_ptr": f"*{dt}",
+    rope = {"qkv_ptr": f"*{dt}", "hb_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "wn_ptr": f"*{dt}",
             "q_ptr": "*fp32", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "wslot_ptr": "*i64", "wcol_ptr": "*i64",
-            **i32("sqkv", "scs", "sq_n", "sq_h", "sc_s", "sc_h", "sc_l"), "eps": "fp32",
-            **{n: "constexpr" for n in ("NH", "NKV", "D", "QK_NORM")}}
+            **i32("M", "sqkv", "scs", "sq_n", "sq_h", "sc_s", "sc_h", "sc_l"), "eps": "fp32",
+            **{n: "constexpr" for n in ("NH", "NKV", "D", "QK_NORM", "SPLIT", "H_BIAS")}}
+    rope_split = {**rope, "qkv_ptr": "*fp32"}
     tiles = {"IEEE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
     gu = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "s_ptr": "*fp32", "y_ptr": f"*{dt}",
           **i32("M", "I", "K", "sxm", "swn", "ssn", "sym", "SR", "SC"), "GELU": "constexpr", "W8": "constexpr", **tiles}
@@ -268,7 +292,10 @@ def signatures(kv_dtype: str = "bf16", head_dim: int = 128, **_) -> dict:
                                                    "BLOCK": 4096}),
         "add_rmsnorm_split": (add_rmsnorm_kernel, norm_split, {"HAS_RES": True, "SPLIT": 4, "H_BIAS": True,
                                                                "POST": False, "BLOCK": 4096}),
-        "rope_kv": (rope_kv_kernel, rope, {"NH": 32, "NKV": 8, "D": head_dim, "QK_NORM": True}),
+        "rope_kv": (rope_kv_kernel, rope, {"NH": 32, "NKV": 8, "D": head_dim, "QK_NORM": True, "SPLIT": 1,
+                                           "H_BIAS": False}),
+        "rope_kv_split": (rope_kv_kernel, rope_split, {"NH": 32, "NKV": 8, "D": head_dim, "QK_NORM": True,
+                                                       "SPLIT": 4, "H_BIAS": True}),
         "gate_up_act": (gate_up_act_kernel, gu, {"GELU": True, "W8": False, **t}),
         "gate_up_act_w8": (gate_up_act_kernel, gu8, {"GELU": False, "W8": True, **{**t, "IEEE": False}}),
         "lm_head": (lm_head_kernel, head, t),

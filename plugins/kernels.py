@@ -522,9 +522,11 @@ def linear_plan(n: int, k: int, sms: int = DEFAULT_SMS) -> LinearPlan:
     if tiles < sms:
         while split < SPLIT_MAX and tiles * split < 2 * sms and k // (2 * split) >= SPLIT_MIN_K:
             split *= 2
+    if split > 1:
+        split = -(-k // split_range(k, split))
     if split == 1:
         return LinearPlan(bn, LINEAR_BLOCK_K, 4, 1)
-    return LinearPlan(bn, SPLIT_BLOCK_K, 4, -(-k // split_range(k, split)))
+    return LinearPlan(bn, SPLIT_BLOCK_K, 4, split)
 
 
 def split_range(k: int, split: int) -> int:

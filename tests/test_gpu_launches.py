@@ -179,3 +179,28 @@ def test_the_fused_forward_is_the_unfused_kernels_bit_for_bit(tmp_path, arch, dt
         assert max(np.abs(a1 - a0).max(), np.abs(b1 - b0).max()) < 1e-6 * rt.config.final_logit_softcap
     else:
         assert np.array_equal(a1, a0) and np.array_equal(b1, b0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_split_k_linears_keep_the_fused_steps_launches_and_bits(tmp_path, arch, monkeypatch):
+    """With the plan's split thresholds scaled to the tiny models (K 64 and 128; a real model
+    splits where its column tiles leave SMs idle, kernels.linear_plan), the qkv, o and down
+    linears split K and the fused step reduces their partials in rope_kv and add_rmsnorm: still
+    8 launches per layer, no reduction launch; the logits and KV the unfused path's (split
+    linears reduced by their own kernel) bit for bit. Qwen2: a qkv bias; Gemma-3: q/k and post
+    norms."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "SPLIT_MIN_K", 16)
+        mp.setattr(K, "SPLIT_BLOCK_K", 16)
+        counts = step_counts(tmp_path / "counts", arch, monkeypatch)
+        for name, (layer, outside) in counts.items():
+            assert layer["linear_split_kernel"] == 3 and "linear_kernel" not in layer, (name, layer)
+            assert sum(layer.values()) <= REACHED_PER_LAYER and "split_reduce_kernel" not in layer, (name, layer)
+            assert sum(outside.values()) <= REACHED_OUTSIDE, (name, outside)
+        runs = []
+        for fused in (True, False):
+            rt = tiny_runtime(tmp_path / str(fused), arch)
+            rt.model.fused = fused
+            runs.append((*_prefill_and_tree(rt), rt.cache.clone()))
+    (a1, b1, c1), (a0, b0, c0) = runs
+    assert torch.equal(c1, c0) and np.array_equal(a1, a0) and np.array_equal(b1, b0)

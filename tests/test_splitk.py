@@ -171,11 +171,33 @@ def test_add_rmsnorm_reduces_a_split_linears_partials_with_the_reductions_bits(p
         assert torch.equal(got[1], fused.add_rmsnorm(x, nw, 1e-6, K.linear(o, w, b, reduce=False), pw)[1][:m])
 
 
+@pytest.mark.parametrize("bias,qk_norm", [(True, False), (False, True)], ids=["bias", "qk-norm"])
+def test_rope_kv_reduces_a_split_qkv_linears_partials_with_the_reductions_bits(bias, qk_norm):
+    """fused.rope_kv given the qkv linear's Partials: q, k and v (rotary, q/k norm, the cache
+    writes) the bits of rope_kv on the split reduction's output."""
+    g = torch.Generator().manual_seed(8)
+    nh, nkv, d, n, k = 4, 2, 32, 5, 1024                  # W = 256: 8 column tiles, split 2
+    w, x = (torch.randn(*s, generator=g).to(DEV, torch.bfloat16) for s in (((nh + 2 * nkv) * d, k), (n, k)))
+    b = torch.randn((nh + 2 * nkv) * d, generator=g).to(DEV, torch.bfloat16) if bias else None
+    cos, sin = (torch.randn(40, d // 2, generator=g).to(DEV) for _ in range(2))
+    pos = torch.tensor([3, 17, 39, 0, 17], device=DEV)
+    wslot, wcol = torch.tensor([1, 0, 2, 1, 0], device=DEV), torch.tensor([4, 9, 0, 5, 10], device=DEV)
+    qn = (1 + 0.3 * torch.randn(2, d, generator=g)).to(DEV, torch.bfloat16) if qk_norm else None
+    parts = K.linear(x, w, b, reduce=False)
+    assert isinstance(parts, K.Partials) and parts.p.shape == (2, n, (nh + 2 * nkv) * d)
+    outs = []
+    for qkv in (parts, K.split_reduce(parts)):
+        kc, vc = (torch.zeros(3, nkv, 12, d, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+        outs.append((fused.rope_kv(qkv, pos, cos, sin, qn, 1e-6, nh, nkv, kc, vc, wslot, wcol), kc, vc))
+    assert all(torch.equal(a, b) for a, b in zip(*outs)) and outs[0][1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("name,variant", [("linear_split", dict(kv_dtype="bf16")),
                                           ("linear_split", dict(kv_dtype="bf16", w_fp8=True)),
                                           ("split_reduce", dict(kv_dtype="bf16")),
-                                          ("add_rmsnorm_split", dict(kv_dtype="bf16"))],
-                         ids=["bf16", "w8a16", "reduce", "add_rmsnorm"])
+                                          ("add_rmsnorm_split", dict(kv_dtype="bf16")),
+                                          ("rope_kv_split", dict(kv_dtype="bf16"))],
+                         ids=["bf16", "w8a16", "reduce", "add_rmsnorm", "rope_kv"])
 def test_the_split_kernels_compile_to_ptx_for_sm90(name, variant):
     assert_compiles("import sys; from plugins.kernels import compile_ptx\n"
                     f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r})\n"

@@ -28,7 +28,9 @@ build/checkpoint.py, in one of three formats:
 Batch invariance (a verify of T tokens gives the bits of T single steps; a CUDA graph's padded
 bucket the bits of the eager step): on a GPU (`invariant`, the default there) every linear, the
 LM head and every RMSNorm run the fixed-tile kernels of plugins/kernels.py (linear, rmsnorm),
-since cuBLAS picks its GEMM by M; the FP8 hardware GEMM (torch._scaled_mm) is the exception the
+since cuBLAS picks its GEMM by M; a linear's tiles and K splits come from its weight's shape and
+the GPU's SM count (kernels.linear_plan), and the fused step reduces the split qkv, o and down
+linears' partials in the kernels that read them (fused.rope_kv, fused.add_rmsnorm); the FP8 hardware GEMM (torch._scaled_mm) is the exception the
 build's check reports. On a CPU every linear pads its rows to a multiple of 8: this CPU's GEMM
 gives a row the same bits at any M that is (measured).
 Knows: tensors, layer math. Does not know: slots, trees, requests.
@@ -152,7 +154,9 @@ class Linear:
     def w(self, value: torch.Tensor) -> None:
         self._w = value
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, reduce: bool = True):
+        """y = x W^T (+ b); `reduce` False: where the invariant kernels split K (kernels.linear_plan),
+        their partials (kernels.Partials, which fused.add_rmsnorm and fused.rope_kv reduce)."""
         if self.observe is not None:
             self.observe(x)
         if self.hw:
@@ -164,8 +168,8 @@ class Linear:
             from plugins import kernels
 
             if self.wq is not None:          # W8A16: the weights cross memory as float8
-                return kernels.linear_w8(x.to(self.dtype), *self.wq, self.recipe.weight_block, self.bias)
-            return kernels.linear(x.to(self.w.dtype), self.w, self.bias)
+                return kernels.linear_w8(x.to(self.dtype), *self.wq, self.recipe.weight_block, self.bias, reduce)
+            return kernels.linear(x.to(self.w.dtype), self.w, self.bias, reduce)
         return linear_rows(x, self.w, self.bias, self.pad)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -350,11 +354,11 @@ class TorchModel:
         if i in self.feature_layers:
             aux[i] = x
         k_cache, v_cache, wslot, wcol = kv.cache(i)
-        q = fused.rope_kv(layer.qkv(hn), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
+        q = fused.rope_kv(layer.qkv(hn, reduce=False), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
                           cfg.num_kv_heads, k_cache, v_cache, wslot, wcol)
         o = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
-        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o), layer.post_attn_norm)
-        return x, (layer.down(self._gated(layer.gate_up, hn)), layer.post_mlp_norm)
+        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o, reduce=False), layer.post_attn_norm)
+        return x, (layer.down(self._gated(layer.gate_up, hn), reduce=False), layer.post_mlp_norm)
 
     def _gated(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the gate_up linear: its epilogue (plugins/fused.py) where the linear
