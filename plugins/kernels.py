@@ -22,8 +22,9 @@ float64 like the reference.
 
 linear and rmsnorm (the GPU runtime's batch-invariant mode, runtime/torch_model.py): y = x W^T
 (+ b) in tiles of a fixed shape (BLOCK_M x BLOCK_N, the K loop in BLOCK_K steps from 0, float32
-accumulation, no split-K: the tiles depend on the weight's shape only, never on M), and RMSNorm
-by one program per row. A row's result is then the same bits at any number of rows, which
+accumulation), chosen with the K splits by linear_plan from N, K and the GPU's SM count, never
+from M (split-K: float32 partials per K range, added in the order 0, 1, ... by split_reduce or
+by the fused kernel that reads them), and RMSNorm by one program per row. A row's result is then the same bits at any number of rows, which
 cuBLAS does not promise (it picks a GEMM by M: measured on an H200, the CUDA graphs' padded
 buckets differed from eager by 0.75 in bf16; the 28 once quoted for a verify was the GPU check's
 own defect, two different prompts).
