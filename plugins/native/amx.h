@@ -36,6 +36,8 @@
 
 #define SD_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
 #define TILE_ROWS 16            /* int8 rows per tile (whole pairs of wide rows) */
+#define TILE_MAX_COLS 32768     /* a group's decoded blocks live on the thread's stack (~0.8 KB per 32
+                                   inputs, 768 KB here); wider matrices stay on VNNI */
 static int tiles_on;            /* TILES_*: set by tiles_select between forwards, read by matmul */
 
 /* from how many int8 rows a matmul of this kind runs on tiles (TILES_AUTO): where tiles measured

@@ -549,7 +549,7 @@ void matmul(const sd_matrix *w, const act_q *a, int rows, float *y, int ldy, int
             int accumulate, const float *bias) {
     const int groups = w->rows / LANES, arows = rows * (1 + a->wide);
 #if SD_AMX
-    if (tiles_on && arows >= tile_min_rows(w->type)) {
+    if (tiles_on && arows >= tile_min_rows(w->type) && w->cols <= TILE_MAX_COLS) {
         matmul_tiles(w, a, arows, y, ldy, n_out, accumulate, bias);
         return;
     }
