@@ -539,6 +539,7 @@ static SD_AMX_TARGET void matmul_tiles(const sd_matrix *w, const act_q *a, int a
             store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
         }
     }
+    _tile_release();
 }
 #endif
 
