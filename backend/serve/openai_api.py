@@ -118,14 +118,19 @@ class Front:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         call = proto.parse(body, chat, self.model_ids)
-        prompt_tokens = await asyncio.to_thread(self.count_prompt, call)
+        # the prompt's token count (usage) runs beside the request, off the time to first token;
+        # only a chat without max_tokens needs it first (up to the engine's context, vLLM's default)
+        counting = asyncio.ensure_future(asyncio.to_thread(self.count_prompt, call))
         fields = dict(call.fields)
-        # no max_tokens on a chat: up to the engine's context (vLLM's default)
-        fields.setdefault("max_tokens", max(1, self.max_seq_len - prompt_tokens))
+        if "max_tokens" not in fields:
+            fields["max_tokens"] = max(1, self.max_seq_len - await counting)
         pieces = generate(self.client, TRITON_MODEL, fields)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         try:
-            piece = await self._next(pieces, call)
+            try:
+                piece = await self._next(pieces, call)
+            finally:
+                prompt_tokens = await counting     # its refusal (400 naming the field) first
             if call.stream:
                 return await self._stream(request, call, pieces, piece, rid, created, prompt_tokens)
             parts = [piece.text]
