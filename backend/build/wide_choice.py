@@ -145,7 +145,8 @@ def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int) -> floa
 def price(rt, wide: tuple[str, ...], prompt: list[int], log) -> dict:
     """What `wide` costs a plain decode step against int8 on this machine's matmul path, after a
     context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter): the two
-    alternated PRICE_REPS times (medians of PRICE_STEPS steps each, the first pair a warm-up) ->
+    alternated PRICE_REPS + 1 times (medians of PRICE_STEPS steps each; each setting's first two
+    readings a warm-up) ->
     {"path", "step_ms_int8", "step_ms_wide", "cost", "max_cost"}; rt left with none wide."""
     from backend.runtime import native
 
