@@ -151,13 +151,18 @@ def _kernel_line() -> str:
 
 def cmd_bench_engine(args) -> int:
     from backend.bench import engine_bench
+    from backend.errors import UserError
     from backend.manifest import EngineManifest
 
+    isas = (args.isa or "default").split(";")
+    bad = next((i for i in isas if i not in engine_bench.ISAS), None)
+    if bad is not None:
+        raise UserError(f"--isa: {bad!r} is not one of {', '.join(engine_bench.ISAS)} "
+                        f"(SPECDEC_ISA=avx2 loads another library: set it for the whole run instead)")
     m = EngineManifest.load(_engine_dir(args))
     if args.wide or args.isa:
-        engine_bench.ab(m, load_prompts(args.prompts), (args.wide or "built").split(";"),
-                        (args.isa or "default").split(";"), args.reps, args.max_new_tokens,
-                        Path(args.json) if args.json else None)
+        engine_bench.ab(m, load_prompts(args.prompts), (args.wide or "built").split(";"), isas, args.reps,
+                        args.max_new_tokens, Path(args.json) if args.json else None)
         return 0
     engine_bench.run(m, load_prompts(args.prompts), Path(args.json) if args.json else None,
                      Path(args.plot) if args.plot else None,

@@ -67,6 +67,11 @@ def test_a_repository_that_was_never_built_is_one_line_and_exit_2(tmp_path, comm
     assert_one_line(r, command[0], "specdec build")
 
 
+def test_bench_engine_s_unknown_matmul_path_is_one_line_before_anything_loads(tmp_path):
+    r = specdec("bench-engine", "--isa", "avx512;sse2", "--model-repository", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert_one_line(r, "bench-engine", "--isa", "'sse2'")
+
+
 def test_a_bad_flag_value_is_argparse_s_exit_2(tmp_path):
     r = specdec("build", "--device", "tpu", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr

@@ -19,6 +19,7 @@ from backend.errors import UserError
 from backend.manifest import EngineManifest
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
+ISAS = ("amx", "avx512", "default")      # bench-engine --isa: tiles, the vector path, tiles where there are
 CONTEXTS = (256, 1024)
 BATCHES = (1, 4, 8)
 
@@ -179,9 +180,7 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     built = manifest.engine("gguf").wide_activations
     sets = {f"{i}/{w}": (i, built if w == "built" else wide_choice.parse(w)) for i in isas for w in wides}
     assert all(v[1] is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
-    bad = [i for i in isas if i not in ("amx", "avx512", "default")]
-    if bad:
-        raise UserError(f"--isa: {bad[0]!r} is not amx, avx512 or default (SPECDEC_ISA=avx2 loads another library)")
+    assert all(i in ISAS for i in isas), isas
     got: dict = {s: [] for s in sets}
     rt = load_runtime(manifest, "gguf")
     for r in range(reps):
@@ -189,7 +188,7 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
         for s in order:
             isa, wide = sets[s]
             if native.use_tiles(isa != "avx512") != "amx" and isa == "amx":
-                raise RuntimeError("--isa amx: this CPU or OS gives no AMX tiles")
+                raise UserError("--isa amx: this CPU or OS gives no AMX tiles")
             rt.model.set_wide(wide)
             got[s].append(_ab_point(rt, manifest, prompts, max_new, wide))
     rt.close()
