@@ -108,7 +108,7 @@ def test_soak_with_disconnects_loses_nothing(soak_server, soak_front, model):
         # a high-water mark the warm-up never reached (a step with more logit rows than any
         # before grows its buffers once: +54 MiB seen once in four CI runs) is not a leak; a
         # leak grows again over the same load, so run it again and ask for no further growth
-        again = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS)
+        again = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS, openai_url=door)
         assert not again.failed, again.as_dict()
         rss2 = srv.rss_bytes()["generator_0_0"]
         print(f"generator RSS after another 240: {rss2 / 2 ** 20:.0f} MiB")
