@@ -182,6 +182,7 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     assert all(v[1] is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
     assert all(i in ISAS for i in isas), isas
     got: dict = {s: [] for s in sets}
+    loaded = native.isa() == "amx"                   # the path SPECDEC_ISA gave at load, restored after
     rt = load_runtime(manifest, "gguf")
     for r in range(reps):
         order = list(sets)[r % len(sets):] + list(sets)[:r % len(sets)]
@@ -192,7 +193,7 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
             rt.model.set_wide(wide)
             got[s].append(_ab_point(rt, manifest, prompts, max_new, wide))
     rt.close()
-    native.use_tiles(True)
+    native.use_tiles(loaded)
     med = {s: {k: round(statistics.median(p[k] for p in v), 3) for k in v[0]} for s, v in got.items()}
     base = next(iter(sets))
     result = {"settings": {s: {"isa": v[0], "wide": list(v[1])} for s, v in sets.items()}, "reps": reps,
