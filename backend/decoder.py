@@ -26,7 +26,7 @@ from backend.config import DrafterKind, SpecConfig
 from backend.controller import Controller, FixedController
 from backend.drafters.base import Draft, Drafter
 from backend.kv_cache import PAD_PARENT
-from backend.runtime.base import Runtime
+from backend.runtime.base import Runtime, forward_verify
 from backend.sampling import PositionNoise, target_token
 from backend.sequence import (Request, RequestLimits, SequenceState, StepOutput, TextState,
                               validate_request)
@@ -142,9 +142,9 @@ class SpecDecoder:
         drafts = self._propose(seqs, budgets)                          # draft
         t1 = time.perf_counter()
         ids, parents, index = pack_drafts(drafts)
-        fwd = self.target.forward([s.seq_id for s in seqs], ids, parents, index)   # verify
-        verdicts = self.target.verify(fwd, drafts, [s.params for s in seqs], [s.noise for s in seqs],
-                                      [len(s.output_ids) for s in seqs])
+        fwd, verdicts = forward_verify(self.target, [s.seq_id for s in seqs], ids, parents, index,   # verify
+                                       drafts, [s.params for s in seqs], [s.noise for s in seqs],
+                                       [len(s.output_ids) for s in seqs])
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
         self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1, int((parents != PAD_PARENT).sum()))

@@ -4,14 +4,14 @@ shapes. Every function takes the device, so the dry run (`gpu_check.sh --dry-run
 code on the CPU with the small shapes of `Plan.dry()`: the logits, invariance and graph steps
 with the kernels in Triton's interpreter and the model in its invariant mode (the GPU's default:
 linears, LM head and norms by the fixed-tile kernels), so they read exactly 0 where the kernels
-are batch invariant; CUDA graphs through `cpu_graph_stubs` (a capture records the forward, a
-replay runs it again into the captured outputs), so everything up to the device calls executes.
+are batch invariant; CUDA graphs through the runtime's CPU stand-in (step_graph.EagerGraph: a
+capture runs the step on the static buffers, a replay runs it again into the captured outputs),
+so everything up to the device calls executes.
 Two runs compared by a step see the same prompts and the same tokens: a difference is the
 kernels', never the inputs'.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 
@@ -59,47 +59,6 @@ class Plan:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def cpu_graph_stubs():
-    """CUDA graphs on the CPU for the dry run: a capture runs the forward (TorchRuntime._compute
-    on the static buffers) and records it; a replay runs it again and copies its outputs into
-    the captured ones, as a graph's kernels rewrite the same memory; synchronize does nothing."""
-    capturing = []
-
-    class Graph:
-        def __init__(self):
-            self.calls = []
-
-        def replay(self):
-            for rt, x, out in self.calls:
-                for old, new in zip(out, compute(rt, x)):
-                    old.copy_(new)
-
-    @contextlib.contextmanager
-    def graph(g):
-        capturing.append(g)
-        try:
-            yield
-        finally:
-            capturing.pop()
-
-    def recorded(rt, x):
-        out = compute(rt, x)
-        if capturing:
-            capturing[-1].calls.append((rt, x, out))
-        return out
-
-    compute = TorchRuntime._compute
-    saved = torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.synchronize
-    torch.cuda.CUDAGraph, torch.cuda.graph, TorchRuntime._compute = Graph, graph, recorded
-    torch.cuda.synchronize = lambda *a: None
-    try:
-        yield
-    finally:
-        torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.synchronize = saved
-        TorchRuntime._compute = compute
 
 
 def random_tensors(cfg: ModelConfig, fmt: str, device: str, recipe: fp8.Recipe | None = None, seed: int = 0) -> dict:
@@ -206,17 +165,29 @@ def invariance(plan: Plan) -> dict:
 
 
 def graphs(plan: Plan) -> dict:
-    """bf16, invariant mode: the same steps (prefills, a batch of 3 trees, then single tokens)
-    with CUDA graphs (padded to their buckets) and eagerly, from the same prompts and tokens:
-    the largest logit difference (0: replay is the eager computation's bits)."""
+    """bf16, invariant mode: the same steps (prefills, a batch of 3 trees, then single tokens,
+    then speculative steps through forward_verify: forward, LM head and verification in one
+    graph, greedy and seeded sampled rows) with CUDA graphs (padded to their buckets) and
+    eagerly, from the same prompts and tokens: the largest logit and hidden difference (0: replay
+    is the eager computation's bits) and whether the verdicts are the same."""
+    from backend.config import SamplingParams
+    from backend.decoder import pack_drafts
+    from backend.drafters.base import Draft
+    from backend.runtime.base import forward_verify
+    from backend.sampling import PositionNoise
+    from backend.tree import TokenTree
+
     cfg = plan.shapes["smollm2-135m"]
     t = random_tensors(cfg, "bf16", plan.device)
     parents = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, -2, -2]], np.int32)
     prompts = prompt_ids(cfg, plan.context, 5, rows=3)
-    outs = []
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=50, seed=11),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=2 ** 63 + 3)]
+    trees = [TokenTree.from_parents(np.array([-1, 0, 0, 1, 1, 2], np.int32)), TokenTree.chain(3), TokenTree.chain(0)]
+    outs, verdicts, counts = [], [], {}
     for use in (False, True):
         rt = runtime(cfg, t, plan.device, slots=4, graphs=use, kernels=True, invariant=True)
-        rt.use_graphs = use                 # on the dry run's CPU too (cpu_graph_stubs)
+        rt.use_graphs = use                 # on the dry run's CPU too (step_graph.EagerGraph)
         prefill(rt, [0, 1, 2], prompts)
         rng = np.random.default_rng(6)
         got = [rt.forward([0, 1, 2], rng.integers(3, cfg.vocab_size, (3, 4)), parents,
@@ -226,11 +197,20 @@ def graphs(plan: Plan) -> dict:
             got.append(rt.forward([0, 1, 2], rng.integers(3, cfg.vocab_size, (3, 1)), np.full((3, 1), -1, np.int32),
                                   np.zeros((3, 1), np.int64)).logits.copy())
             rt.commit([0, 1, 2], [np.array([0])] * 3)
+        noises, ver = [PositionNoise(p.seed or 0, cfg.vocab_size) for p in params], []
+        for step in range(2):
+            drafts = [Draft(tr, rng.integers(3, cfg.vocab_size, tr.num_nodes)) for tr in trees]
+            fwd, vs = forward_verify(rt, [0, 1, 2], *pack_drafts(drafts), drafts, params, noises, [40 + step] * 3)
+            got += [fwd.logits.copy(), fwd.hidden.copy()]
+            ver.append([(v.accepted_nodes.tolist(), v.output_ids.tolist()) for v in vs])
+            rt.commit([0, 1, 2], [v.accepted_nodes for v in vs])
         outs.append(got)
-        graphs_made = len(rt._graphs)
+        verdicts.append(ver)
+        counts = {"graphs_captured": sum(k[2] != "_step" for k in rt._graphs),
+                  "step_graphs_captured": sum(k[2] == "_step" for k in rt._graphs)}
         rt.close()
     diff = max(float(np.abs(a - b).max()) for a, b in zip(*outs))
-    return {"max_abs_logit_diff": diff, "graphs_captured": graphs_made}
+    return {"max_abs_logit_diff": diff, "verdicts_identical": verdicts[0] == verdicts[1], **counts}
 
 
 def fp8_hardware(plan: Plan) -> dict:

@@ -55,10 +55,10 @@ def weight_bytes(rt) -> int:
     m = rt.model
     total = m.lm_head.nbytes + (m.norm.nbytes if m.norm is not None else 0)
     for lin in m.linears().values():
-        if lin.hw:
-            total += lin.w8.nbytes + lin.w_scale.nbytes
-        elif lin.wq is not None and lin.kernel:
+        if lin.wq is not None and lin.kernel:     # W8A16 (decode and verify widths, hardware recipes too)
             total += lin.wq[0].nbytes + lin.wq[1].nbytes
+        elif lin.hw:
+            total += lin.w8.nbytes + lin.w_scale.nbytes
         elif lin._w is not None:
             total += lin._w.nbytes
         else:                                # weight-only FP8 not yet dequantized: its bf16 size

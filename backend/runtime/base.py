@@ -61,6 +61,17 @@ def verify_on_host(out: ForwardOutput, drafts, params, noises, positions) -> lis
             for b, (d, p, nz, pos) in enumerate(zip(drafts, params, noises, positions))]
 
 
+def forward_verify(rt, seq_ids, input_ids, parents, logits_index, drafts, params, noises, positions):
+    """A speculative step's forward and verification -> (ForwardOutput, [TreeVerdict]): the
+    runtime's own `forward_verify` where it has one (the torch runtime: one CUDA graph of both),
+    else its forward, then its verify."""
+    fused = getattr(rt, "forward_verify", None)
+    if fused is not None:
+        return fused(seq_ids, input_ids, parents, logits_index, drafts, params, noises, positions)
+    fwd = rt.forward(seq_ids, input_ids, parents, logits_index)
+    return fwd, rt.verify(fwd, drafts, params, noises, positions)
+
+
 def verdicts_from_arrays(drafts, nodes: np.ndarray, ids: np.ndarray, num: np.ndarray) -> list[TreeVerdict]:
     """A device verification's outputs (accepted_nodes [B, T], output_ids [B, T], num_accepted
     [B], -1 padded: plugins/reference.py `verify`) as the rows' TreeVerdicts."""

@@ -20,11 +20,16 @@ build/checkpoint.py, in one of three formats:
           ".act_scale"; y = (q8(x / s_x) s_x) (W8 s_w)^T block by block. Where this GPU runs
           the recipe's scaled GEMM (probed at load against the emulation: hardware_fp8),
           torch._scaled_mm runs it; elsewhere (CPU, older GPUs, MX scales on Hopper) the same
-          numbers are emulated in the compute dtype. A weight-only linear (W8A16) runs
-          plugins/kernels.linear_w8 in the invariant mode (the GPU's: FP8 codes and scales read
-          by the kernel, the bits of the bf16 weights they stand for), else its weights
-          dequantized to the compute dtype. The
-          embedding, norms and LM head stay bf16/fp32.
+          numbers are emulated in the compute dtype. In the invariant mode (the GPU's) every FP8
+          linear runs W8A16 at decode and verify widths (issue 41, point 5): plugins/kernels.linear_w8
+          reads the FP8 codes and block scales (the bits of the bf16 weights they stand for), the
+          input unquantized, no input-quantization launch, a row's bits independent of M; the
+          recipe's W8A8 runs only in a forward of `w8a8_from` nodes per row or more (prefill
+          chunks) and only where the hardware GEMM runs it (torch._scaled_mm), since only there
+          can it be faster. Elsewhere (the CPU's emulation, `specdec quality`) the recipe as
+          built, input quantization included: on a GPU the decode's error is then that of the
+          weights alone, at most the measured one. The embedding, norms and LM head stay
+          bf16/fp32.
 Batch invariance (a verify of T tokens gives the bits of T single steps; a CUDA graph's padded
 bucket the bits of the eager step): on a GPU (`invariant`, the default there) every linear, the
 LM head and every RMSNorm run the fixed-tile kernels of plugins/kernels.py (linear, rmsnorm),
@@ -125,19 +130,18 @@ class Linear:
         self.observe = None
         self.dtype = dtype
         self._w = None
-        self.wq = None                       # weight-only FP8: (codes, block scales), for kernels.linear_w8
+        # FP8: (codes, block scales) for kernels.linear_w8 (W8A16); the compute dtype's weights
+        # are dequantized from them on first use by a path that needs them (self.w)
+        self.wq = (w, w_scale.float()) if self.fp8 else None
         self.hw = _hw_kind(self.recipe) if self.qin and hw else None
         if self.hw == "rowwise":
             self.w8, self.w_scale = w, w_scale.float().view(1, -1)
         elif self.hw == "block128":    # K and N padded to whole blocks (zeros add nothing; the
             pn, pk = -w.shape[0] % 128, -w.shape[1] % 128       # scales already cover them)
-            self.w8 = torch.nn.functional.pad(w.view(torch.uint8), (0, pk, 0, pn)).view(torch.float8_e4m3fn)
+            self.w8 = w if not (pn or pk) else \
+                torch.nn.functional.pad(w.view(torch.uint8), (0, pk, 0, pn)).view(torch.float8_e4m3fn)
             self.w_scale = w_scale.float().t()     # [K/128, N/128], as cuBLAS's 128 x 128 scaling reads it
-        elif self.fp8 and not self.qin:
-            self.wq = (w, w_scale.float())   # dequantized on first use outside the kernel (self.w)
-        elif self.fp8:
-            self.w = fp8.dequantize_weight(w, w_scale, self.recipe).to(dtype)    # exact E4M3 values x scale
-        else:
+        elif not self.fp8:
             self.w = w.to(dtype)
         self.pad = w.device.type == "cpu"
         self.kernel = False                  # plugins/kernels.linear (TorchModel.invariant sets it)
@@ -154,23 +158,28 @@ class Linear:
     def w(self, value: torch.Tensor) -> None:
         self._w = value
 
-    def __call__(self, x: torch.Tensor, reduce: bool = True):
+    def __call__(self, x: torch.Tensor, reduce: bool = True, wide: bool = False):
         """y = x W^T (+ b); `reduce` False: where the invariant kernels split K (kernels.linear_plan),
-        their partials (kernels.Partials, which fused.add_rmsnorm and fused.rope_kv reduce)."""
+        their partials (kernels.Partials, which fused.add_rmsnorm and fused.rope_kv reduce);
+        `wide`: a prefill-sized forward (TorchModel.w8a8_from), where the hardware W8A8 GEMM runs."""
         if self.observe is not None:
             self.observe(x)
-        if self.hw:
+        if self.hw and (wide or not self.kernel):
             y = self._scaled_mm(x)
             return y if self.bias is None else y + self.bias
-        if self.qin:
-            x = fp8.fake_quant_input(x, self.recipe, self.act_scale).to(self.w.dtype)
         if self.kernel:
             from plugins import kernels
 
-            if self.wq is not None:          # W8A16: the weights cross memory as float8
+            if self.wq is not None:          # W8A16: the weights cross memory as float8, x unquantized
                 return kernels.linear_w8(x.to(self.dtype), *self.wq, self.recipe.weight_block, self.bias, reduce)
             return kernels.linear(x.to(self.w.dtype), self.w, self.bias, reduce)
+        if self.qin:
+            x = fp8.fake_quant_input(x, self.recipe, self.act_scale).to(self.w.dtype)
         return linear_rows(x, self.w, self.bias, self.pad)
+
+    def w8a16(self, wide: bool) -> bool:
+        """Whether a call runs kernels.linear_w8 (so gate_up's fused epilogue may read the codes)."""
+        return self.kernel and self.wq is not None and not (self.hw and wide)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.hw == "block128":
@@ -262,6 +271,9 @@ class TorchModel:
         self.scale = cfg.scale                   # q's multiplier, applied by the attention
         self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
         self.softcap = cfg.attn_logit_softcap    # the attention scores' soft-cap (Gemma-2), 0: none
+        # nodes per row from which a forward is prefill-sized: input-quantizing FP8 linears run the
+        # hardware W8A8 GEMM there (None: W8A16 at every width); above the largest graph bucket
+        self.w8a8_from: int | None = 33
         self.invariant = device.type == "cuda"
         self.fused = True                        # the invariant mode's fused kernels (plugins/fused.py)
 
@@ -274,7 +286,7 @@ class TorchModel:
     def invariant(self, on: bool) -> None:
         self._invariant = bool(on)
         for lin in [*self.linears().values(), *([self.fc] if self.fc is not None else [])]:
-            lin.kernel = self._invariant and not lin.hw
+            lin.kernel = self._invariant
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if w is None:
@@ -298,12 +310,12 @@ class TorchModel:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess,
-                features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                features: torch.Tensor | None = None, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [N], positions [N] -> (the features the forward outputs [N, W], final-norm rows
         [N, H] for the LM head), compute dtype. W = H (1 + len(feature_layers)); an EAGLE-3
-        head outputs its pre-norm residual stream."""
+        head outputs its pre-norm residual stream. `wide`: a prefill-sized forward (w8a8_from)."""
         if self._fusable(kv):
-            return self._forward_fused(ids, positions, kv)
+            return self._forward_fused(ids, positions, kv, wide)
         x = self.embed[ids]
         eagle3 = self.layers[0].hidden_norm is not None
         if eagle3 or self.fc is not None:
@@ -319,7 +331,7 @@ class TorchModel:
         for i in range(len(self.layers)):
             if i in self.feature_layers:
                 aux[i] = x
-            x = self._layer(i, x, embeds if eagle3 else None, positions, kv)
+            x = self._layer(i, x, embeds if eagle3 else None, positions, kv, wide)
         normed = self._rmsnorm(x, self.norm)
         if eagle3:
             return x, normed
@@ -331,7 +343,7 @@ class TorchModel:
         return (self._invariant and self.fused and getattr(kv, "fused", False) and self.fc is None
                 and self.layers[0].hidden_norm is None and self.norm is not None)
 
-    def _forward_fused(self, ids, positions, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_fused(self, ids, positions, kv, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """forward by plugins/fused.py: each sublayer's residual add waits for the next norm's
         kernel (`pending`: the sublayer's output and its post norm)."""
         from plugins import fused
@@ -339,13 +351,14 @@ class TorchModel:
         x = fused.embed(self.embed, ids, self.embed_scale)
         pending, aux = None, {}
         for i in range(len(self.layers)):
-            x, pending = self._fused_layer(i, x, pending, positions, kv, aux)
+            x, pending = self._fused_layer(i, x, pending, positions, kv, aux, wide)
         _, normed = fused.add_rmsnorm(x, self.norm, self.cfg.rms_norm_eps, *pending)
         if not self.feature_layers:
             return normed, normed
         return torch.cat([normed] + [aux[j] for j in self.feature_layers], -1), normed
 
-    def _fused_layer(self, i: int, x: torch.Tensor, pending, positions: torch.Tensor, kv, aux: dict):
+    def _fused_layer(self, i: int, x: torch.Tensor, pending, positions: torch.Tensor, kv, aux: dict,
+                     wide: bool = False):
         """Layer i in 8 launches -> (its input x, its (MLP output, post norm) still to add)."""
         from plugins import fused
 
@@ -354,23 +367,23 @@ class TorchModel:
         if i in self.feature_layers:
             aux[i] = x
         k_cache, v_cache, wslot, wcol = kv.cache(i)
-        q = fused.rope_kv(layer.qkv(hn, reduce=False), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
+        q = fused.rope_kv(layer.qkv(hn, False, wide), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
                           cfg.num_kv_heads, k_cache, v_cache, wslot, wcol)
         o = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
-        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o, reduce=False), layer.post_attn_norm)
-        return x, (layer.down(self._gated(layer.gate_up, hn), reduce=False), layer.post_mlp_norm)
+        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o, False, wide), layer.post_attn_norm)
+        return x, (layer.down(self._gated(layer.gate_up, hn, wide), False, wide), layer.post_mlp_norm)
 
-    def _gated(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    def _gated(self, lin: Linear, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """act(gate) * up of the gate_up linear: its epilogue (plugins/fused.py) where the linear
         runs the invariant kernels, else the torch ops."""
         gelu = self.cfg.activation == "gelu_tanh"
-        if lin.kernel and not lin.qin:
+        if lin.w8a16(wide) or (lin.kernel and not lin.fp8):
             from plugins import fused
 
             if lin.wq is not None:
                 return fused.gate_up_act(x, lin.wq[0], gelu, lin.wq[1], lin.recipe.weight_block)
             return fused.gate_up_act(x, lin.w, gelu)
-        g, u = lin(x).split(self.cfg.intermediate_size, -1)
+        g, u = lin(x, wide=wide).split(self.cfg.intermediate_size, -1)
         return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
 
     def head(self, normed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -385,7 +398,7 @@ class TorchModel:
         return self.logits(rows.reshape(-1, rows.shape[-1])).view(b, index.shape[1], -1)
 
     def _layer(self, i: int, x: torch.Tensor, embeds: torch.Tensor | None, positions: torch.Tensor,
-               kv: KVAccess) -> torch.Tensor:
+               kv: KVAccess, wide: bool = False) -> torch.Tensor:
         """Layer i on the residual stream x -> the next x (embeds: an EAGLE-3 head's)."""
         cfg, layer = self.cfg, self.layers[i]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -393,7 +406,7 @@ class TorchModel:
             hn = torch.cat([self._rmsnorm(embeds, layer.attn_norm), self._rmsnorm(x, layer.hidden_norm)], -1)
         else:
             hn = self._rmsnorm(x, layer.attn_norm)
-        qkv = layer.qkv(hn).view(-1, nh + 2 * nkv, d)
+        qkv = layer.qkv(hn, wide=wide).view(-1, nh + 2 * nkv, d)
         q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
         if layer.q_norm is not None:         # per head, before rotary
             q, k = self._rmsnorm(q, layer.q_norm), self._rmsnorm(k, layer.k_norm)
@@ -401,11 +414,11 @@ class TorchModel:
         k = self._rope(k, positions, self.local[i])
         kv.write(i, k, qkv[:, nh + nkv:])
         o = kv.attend(i, q).reshape(-1, nh * d).to(self.dtype)
-        x = x + self._rmsnorm(layer.o(o), layer.post_attn_norm)
-        gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm))
+        x = x + self._rmsnorm(layer.o(o, wide=wide), layer.post_attn_norm)
+        gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm), wide=wide)
         g, u = gu.split(cfg.intermediate_size, -1)
         a = F.gelu(g, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(g)
-        return x + self._rmsnorm(layer.down(a * u), layer.post_mlp_norm)
+        return x + self._rmsnorm(layer.down(a * u, wide=wide), layer.post_mlp_norm)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, H] final-norm rows -> [R, V] float32 logits (soft-capped where the model is)."""

@@ -12,9 +12,11 @@ A forward's tree attention reads each node's committed columns and its path (plu
 on a sliding layer only the entries within the layer's window of the node's position, the scores
 soft-capped where the model caps them.
 
-CUDA graphs: a decode-sized step (rows <= 64, nodes per row <= 32) is padded to a (batch, width)
-bucket and replays the graph captured for it on first use; inputs go through static buffers, so
-the same `_compute` runs eagerly, in capture, and on the CPU.
+CUDA graphs (step_graph.py): a decode-sized step (rows <= 64, nodes per row <= 32) is padded to a
+(batch, width) bucket and replays the graph captured for it on first use; inputs go through
+static buffers, so the same `_compute` runs eagerly, in capture, and on the CPU. A speculative
+step (`forward_verify`) replays one graph of forward, LM head and verification: the host copies
+its inputs in once, launches once and reads back only the verdicts.
 Knows: torch tensors, slots, CUDA graphs. Does not know: sampling rules, drafting, requests.
 """
 from __future__ import annotations
@@ -26,16 +28,10 @@ from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
+from backend.runtime import step_graph
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 from backend.runtime.slot_blocks import SlotBlocks
 from backend.runtime.torch_model import TorchModel, load_recipe, load_tensors
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-def _bucket(n: int, sizes: tuple) -> int | None:
-    return next((s for s in sizes if n <= s), None)
 
 
 class TorchRuntime(SlotSequences):
@@ -63,7 +59,7 @@ class TorchRuntime(SlotSequences):
         self.cache = torch.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
                                   config.head_dim), dtype=kv_dtype, device=self.device)
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
-        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graphs: dict[tuple, tuple] = {}     # (batch, width, step function, features) -> graph, buffers
         self.use_graphs = self.device.type == "cuda" and options.cuda_graphs
         # attention by the Triton kernel (a GPU), else by its numpy reference; a test may set it
         # on a CPU, where the kernel runs in Triton's interpreter (TRITON_INTERPRET=1)
@@ -72,6 +68,40 @@ class TorchRuntime(SlotSequences):
     # --- forward -----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
                 logits_index: np.ndarray, extra_inputs: dict | None = None) -> ForwardOutput:
+        host, new_paths = self._layout(seq_ids, input_ids, parents, logits_index, extra_inputs)
+        return self._forward(seq_ids, host, new_paths)
+
+    def _forward(self, seq_ids: list[int], host: dict, new_paths) -> ForwardOutput:
+        b, t = host["ids"].shape
+        bucket = self._graph_bucket(host)
+        if bucket is not None:
+            logits, hidden = self._replay(bucket, host, self._compute)
+            logits, hidden = logits[:b, : host["index"].shape[1]], hidden[:b, :t]
+        else:
+            logits, hidden = self._compute({k: self._dev(v) for k, v in host.items()})
+        self.slots.extend(seq_ids, new_paths)
+        return ForwardOutput(logits, hidden)
+
+    def forward_verify(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
+                       logits_index: np.ndarray, drafts, params, noises, positions):
+        """forward, then verify (runtime/base.forward_verify): where the step fits a graph bucket
+        and the kernels run, one replay of forward, LM head and verification together (one input
+        copy, one launch, the verdicts back in one copy); else the two calls."""
+        host, new_paths = self._layout(seq_ids, input_ids, parents, logits_index)
+        bucket = self._graph_bucket(host) if self.kernels else None
+        if bucket is None:
+            fwd = self._forward(seq_ids, host, new_paths)
+            return fwd, self.verify(fwd, drafts, params, noises, positions)
+        host.update(self._verify_inputs(drafts, params, noises, positions, input_ids.shape[1]))
+        logits, hidden, packed = self._replay(bucket, host, self._step)
+        self.slots.extend(seq_ids, new_paths)
+        b, t = input_ids.shape
+        nodes, ids, num = step_graph.unpack_verdicts(packed.cpu().numpy(), *bucket)
+        verdicts = verdicts_from_arrays(drafts, nodes[:b], ids[:b], num[:b])
+        return ForwardOutput(logits[:b, : logits_index.shape[1]], hidden[:b, :t]), verdicts
+
+    def _layout(self, seq_ids, input_ids, parents, logits_index, extra_inputs=None) -> tuple[dict, list]:
+        """A forward's host inputs (slots' layout, ids, logits index, features) and its new paths."""
         b, t = input_ids.shape
         assert parents.shape == (b, t) and logits_index.shape[0] == b, (parents.shape, logits_index.shape)
         host, new_paths = self.slots.layout(seq_ids, parents)
@@ -80,15 +110,23 @@ class TorchRuntime(SlotSequences):
         host["index"] = np.asarray(logits_index, np.int64)
         if extra_inputs:
             host["features"] = np.asarray(extra_inputs["features"], np.float32)
-        bucket = (_bucket(b, BATCH_BUCKETS), _bucket(t, WIDTH_BUCKETS))
-        if (self.use_graphs and None not in bucket and logits_index.shape[1] <= bucket[1]
-                and host["paths"].shape[2] <= bucket[1]):
-            logits, hidden = self._replay(bucket, host)
-            logits, hidden = logits[:b, : logits_index.shape[1]], hidden[:b, :t]
-        else:
-            logits, hidden = self._compute({k: self._dev(v) for k, v in host.items()})
-        self.slots.extend(seq_ids, new_paths)
-        return ForwardOutput(logits, hidden)
+        return host, new_paths
+
+    def _graph_bucket(self, host: dict) -> tuple[int, int] | None:
+        if not self.use_graphs:
+            return None
+        b, t = host["ids"].shape
+        return step_graph.bucket_of(b, t, host["index"].shape[1], host["paths"].shape[2])
+
+    def _verify_inputs(self, drafts, params, noises, positions, t: int) -> dict[str, np.ndarray]:
+        """Verification's host inputs: the drafts' tokens and parents [B, T] (PAD_PARENT padded)
+        and the rows' sampling arrays (runtime/base.sampling_arrays, float64)."""
+        b = len(drafts)
+        tokens = np.zeros((b, t), np.int64)
+        parents = np.full((b, t), PAD_PARENT, np.int32)
+        for r, d in enumerate(drafts):
+            tokens[r, : d.tree.num_nodes], parents[r, : d.tree.num_nodes] = d.tokens, d.tree.parents
+        return {"tokens": tokens, "parents": parents, **sampling_arrays(params, noises, positions, np.float64)}
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -98,42 +136,34 @@ class TorchRuntime(SlotSequences):
         b, t = x["ids"].shape
         kv = _SlotKV(self, x)
         feats = x["features"].reshape(b * t, -1) if "features" in x else None
-        hidden, normed = self.model.forward(x["ids"].reshape(-1), x["pos"].reshape(-1), kv, feats)
+        wide = self.model.w8a8_from is not None and t >= self.model.w8a8_from     # a prefill chunk's
+        hidden, normed = self.model.forward(x["ids"].reshape(-1), x["pos"].reshape(-1), kv, feats, wide)
         hidden, normed = hidden.view(b, t, -1), normed.view(b, t, -1)
         return self.model.head(normed, x["index"]), hidden
 
-    def _replay(self, bucket: tuple[int, int], host: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy `host` into the bucket's static buffers (padding rows and nodes write into the
-        spare slot and read nothing) and replay its graph, capturing it on first use."""
-        bb, tb = bucket
-        b, t = host["ids"].shape
-        pad = {"ids": np.zeros((bb, tb), np.int64), "pos": np.zeros((bb, tb), np.int64),
-               "wslot": np.full((bb, tb), self.capacity, np.int64),
-               "wcol": np.broadcast_to(np.arange(tb), (bb, tb)).copy(),
-               "paths": np.full((bb, tb, tb), -1, np.int32), "ctx": np.zeros(bb, np.int32),
-               "slots": np.full(bb, self.capacity, np.int32), "index": np.zeros((bb, tb), np.int64)}
-        if "features" in host:
-            pad["features"] = np.zeros((bb, tb, host["features"].shape[-1]), np.float32)
-        for k, a in host.items():
-            if k == "paths":
-                pad[k][:b, :t, : a.shape[2]] = a
-            elif a.ndim == 1:
-                pad[k][:b] = a
-            else:
-                pad[k][:b, : a.shape[1]] = a
-        if bucket not in self._graphs:
-            static = {k: self._dev(v) for k, v in pad.items()}
-            self._compute(static)                            # compile the kernels, warm up
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self._compute(static)
-            self._graphs[bucket] = (graph, static, out)
-        graph, static, out = self._graphs[bucket]
-        for k, v in pad.items():
-            static[k].copy_(torch.from_numpy(v), non_blocking=True)
+    def _step(self, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A speculative step from device inputs, all on the device (what a graph captures): the
+        forward, then the verify kernel on its logits -> (logits, hidden, the verdicts packed)."""
+        from plugins import kernels
+
+        logits, hidden = self._compute(x)
+        nodes, ids, num = kernels.verify(logits, x["tokens"], x["parents"], x["temperature"], x["top_k"], x["top_p"],
+                                         x["min_p"], x["seeds"], x["out_positions"])
+        return logits, hidden, step_graph.pack_verdicts(nodes, ids, num)
+
+    def _replay(self, bucket: tuple[int, int], host: dict, fn) -> tuple:
+        """Copy `host` (padded to `bucket`: step_graph.padded) into the static buffers of `fn`'s
+        graph for the bucket in one transfer and replay it, capturing it on first use."""
+        arrays = step_graph.padded(host, bucket, self.capacity)
+        key = (*bucket, fn.__name__, "features" in host)
+        if key not in self._graphs:
+            packed = step_graph.Packed(arrays, self.device)
+            packed.load(arrays)
+            self._graphs[key] = (step_graph.capture(fn, packed.tensors, self.device), packed)
+        graph, packed = self._graphs[key]
+        packed.load(arrays)
         graph.replay()
-        return out
+        return graph.out
 
     # --- commit ------------------------------------------------------------------------------
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None:
@@ -157,16 +187,11 @@ class TorchRuntime(SlotSequences):
             return verify_on_host(out, drafts, params, noises, positions)
         from plugins import kernels
 
-        b = len(drafts)
-        t = max(d.tree.num_nodes for d in drafts)
-        tokens = np.zeros((b, t), np.int64)
-        parents = np.full((b, t), PAD_PARENT, np.int32)
-        for r, d in enumerate(drafts):
-            tokens[r, : d.tree.num_nodes], parents[r, : d.tree.num_nodes] = d.tokens, d.tree.parents
-        s = {k: self._dev(v) for k, v in sampling_arrays(params, noises, positions, np.float64).items()}
-        nodes, ids, num = kernels.verify(
-            out.device_logits[:, :t], self._dev(tokens), self._dev(parents), s["temperature"], s["top_k"],
-            s["top_p"], s["min_p"], s["seeds"], s["out_positions"])
+        x = {k: self._dev(v) for k, v in self._verify_inputs(drafts, params, noises, positions,
+                                                               max(d.tree.num_nodes for d in drafts)).items()}
+        nodes, ids, num = kernels.verify(out.device_logits[:, : x["tokens"].shape[1]], x["tokens"], x["parents"],
+                                         x["temperature"], x["top_k"], x["top_p"], x["min_p"], x["seeds"],
+                                         x["out_positions"])
         return verdicts_from_arrays(drafts, nodes.cpu().numpy(), ids.cpu().numpy(), num.cpu().numpy())
 
     def close(self) -> None:

@@ -1,0 +1,109 @@
+"""FP8 weight-only (W8A16) by default at decode and verify widths (issue 41, point 5), in Triton's
+interpreter: kernels.linear_w8 reads the E4M3 codes and block scales inside the GEMM (a row's bits
+the same at M = 1, 16 and 64, for every block shape a recipe uses; agreement with a float
+reference), and the torch runtime's invariant mode runs every FP8 linear through it at decode
+and verify widths, input-quantizing recipes included (no input-quantization op, the bits of the
+same engine built weight-only), keeping the hardware W8A8 GEMM for prefill-sized forwards
+(TorchModel.w8a8_from). The 128 x 128 blocks' invariance at split-K: tests/test_splitk.py.
+What no CPU shows: the speed (the GPU check's fp8_decode step, its w8a16 row)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from backend.build.torch_engine import FUSED  # noqa: E402
+from backend.runtime import fp8  # noqa: E402
+from backend.runtime import torch_model as TM  # noqa: E402
+from plugins import kernels as K  # noqa: E402
+from test_kernels import _runtime_on_random_weights  # noqa: E402
+
+
+@pytest.mark.parametrize("block", [(1, 0), (1, 32), (128, 128)], ids=["channel", "1x32", "128x128"])
+def test_w8a16_rows_are_the_same_bits_at_m1_m16_m64_and_near_the_float_reference(block):
+    g = torch.Generator().manual_seed(3)
+    n, k = 96, 256
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.1, 4, k)
+    rec = fp8.Recipe("w8", block, "token")
+    q, s = fp8.quantize_weight(w, rec)
+    x = torch.randn(64, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    y64 = K.linear_w8(x, q, s, block, bias)
+    y16 = K.linear_w8(x[:16], q, s, block, bias)
+    assert torch.equal(y16, y64[:16])
+    for j in (0, 7, 15, 40, 63):
+        assert torch.equal(K.linear_w8(x[j:j + 1], q, s, block, bias), y64[j:j + 1]), j
+    deq = fp8.dequantize_weight(q, s, rec).double()
+    ref = x.double() @ deq.T + bias.double()
+    assert (y64.double() - ref).abs().max() / ref.abs().max() < 1e-2          # bf16 rounding of the output
+    full = x.double() @ w.double().T + bias.double()                          # and E4M3's of the weights
+    assert (y64.double() - full).abs().max() / full.abs().max() < 6e-2
+
+
+def _no_input_quantization(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("an input-quantization op at a decode / verify width")
+    monkeypatch.setattr(fp8, "quantize_input", refuse)
+    monkeypatch.setattr(fp8, "fake_quant_input", refuse)
+
+
+def _decode_and_verify(rt) -> np.ndarray:
+    """Logits of an 11-token prompt's forward, then of a 4-node tree after it (both narrower
+    than w8a8_from)."""
+    rng = np.random.default_rng(4)
+    rt.alloc(0)
+    a = np.asarray(rt.forward([0], rng.integers(3, 128, (1, 11)), np.arange(-1, 10, dtype=np.int32)[None],
+                              np.arange(11)[None]).logits).copy()
+    rt.commit([0], [np.arange(11)])
+    b = rt.forward([0], rng.integers(3, 128, (1, 4)), np.array([[-1, 0, 0, 1]], np.int32), np.arange(4)[None])
+    return np.concatenate([a[0], np.asarray(b.logits)[0]])
+
+
+@pytest.mark.parametrize("name", ["channel-token", "g32-token"])
+def test_input_quantizing_recipes_decode_and_verify_as_w8a16(name, monkeypatch):
+    """An engine built with W8A8 linears, in the invariant mode at decode / verify widths: every
+    linear reads its codes through linear_w8 with its input unquantized (no quantization op, no
+    bf16 copy of the weights), so the logits are, bit for bit, those of the same codes built
+    weight-only (the build's W8A16)."""
+    rec = fp8.recipe(name)
+    w8a8 = _runtime_on_random_weights(torch.bfloat16, invariant=True, recipe=rec)
+    assert all(lin.qin for lin in w8a8.model.linears().values())
+    with monkeypatch.context() as m:
+        _no_input_quantization(m)
+        got = _decode_and_verify(w8a8)
+    assert all(lin.w8a16(False) and lin._w is None for lin in w8a8.model.linears().values())
+    every = [f"layers.{i}.{k}" for i in range(2) for k in FUSED]
+    w8a16 = _runtime_on_random_weights(torch.bfloat16, invariant=True, recipe=rec.with_weight_only(every))
+    assert np.array_equal(got, _decode_and_verify(w8a16))
+
+
+def test_a_prefill_sized_forward_runs_the_hardware_w8a8_gemm_and_decode_does_not(monkeypatch):
+    """Where the GPU runs the recipe's scaled GEMM (forced here: hardware_fp8 true, _scaled_mm
+    counted and emulated), a forward of w8a8_from nodes per row or more runs it for every layer
+    linear; narrower forwards (decode, verify) run linear_w8; w8a8_from None: never W8A8."""
+    monkeypatch.setattr(TM, "hardware_fp8", lambda device, rec=None: True)
+    calls = []
+
+    def scaled_mm(lin, x):
+        calls.append(x.shape[0])
+        xq = fp8.fake_quant_input(x.float(), lin.recipe, lin.act_scale)
+        return TM.linear_rows(xq, fp8.dequantize_weight(*lin.wq, lin.recipe), None, False).to(x.dtype)
+
+    monkeypatch.setattr(TM.Linear, "_scaled_mm", scaled_mm)
+    rt = _runtime_on_random_weights(torch.bfloat16, invariant=True, recipe=fp8.recipe("channel-token"))
+    assert all(lin.hw == "rowwise" and lin.kernel for lin in rt.model.linears().values())
+    rt.model.w8a8_from = 8
+    rng = np.random.default_rng(5)
+    rt.alloc(0)
+    rt.forward([0], rng.integers(3, 128, (1, 9)), np.arange(-1, 8, dtype=np.int32)[None], np.array([[8]]))
+    assert calls == [9] * 8                          # 2 layers x qkv, o, gate_up, down
+    rt.commit([0], [np.arange(9)])
+    calls.clear()
+    rt.forward([0], rng.integers(3, 128, (1, 4)), np.array([[-1, 0, 0, 1]], np.int32), np.arange(4)[None])
+    assert calls == []
+    rt.commit([0], [np.array([0])])
+    rt.model.w8a8_from = None
+    rt.forward([0], rng.integers(3, 128, (1, 12)), np.arange(-1, 11, dtype=np.int32)[None], np.array([[11]]))
+    assert calls == []
