@@ -184,91 +184,143 @@ def _cat(parts):
 def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None,
                   fp8_recipe=None) -> onnx.ModelProto:
     """act_scales, fp8_recipe: for WeightFormat.FP8, the static recipe's input scales
-    (build/torch_engine.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one)."""
-    cfg = ckpt.config
+    (build/torch_engine.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one).
+    The steps in the order they write the graph (node names count up, so the order is the graph)."""
     assert spec.weights is not WeightFormat.FP8 or spec.plugins, "FP8 is a format of the engine graph"
-    g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
-    lin = _Linear(g, spec.weights, act_scales, fp8_recipe)
-    nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    grp = cfg.num_groups
-    # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
-    # q norm's weight
-    qscale = cfg.scale
-    wscale = 1.0 if cfg.qk_norm else qscale
-    windows = [cfg.window(i) for i in range(spec.num_layers)]
+    dec = _Decoder(ckpt, spec, act_scales, fp8_recipe)      # inputs and outputs declared
+    x, embeds = dec.embed()
+    tables = dec.tables()
+    features = {}
+    for i in range(spec.num_layers):
+        if i in spec.feature_layers:
+            features[i] = x
+        x = dec.layer(i, x, embeds, tables)
+        if progress is not None:
+            progress(1)
+    dec.head(x, [features[j] for j in spec.feature_layers])
+    return dec.model()
 
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
-        helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"]),
-    ]
-    if spec.plugins:
-        from backend.build import engine_graph
 
-        attention = engine_graph.PluginAttention(g, cfg, inputs)
-    else:
-        inputs.insert(2, helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]))
-        if any(windows):     # the sliding layers' mask: attn_bias and keys within the window
-            inputs.insert(3, helper.make_tensor_value_info("attn_bias_local", TensorProto.FLOAT, ["B", "T", "S"]))
-    outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
-        helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["B", "T", h * (1 + len(spec.feature_layers))]),
-    ]
-    embed = ckpt.tensor("embed")
-    x = g.op("Gather", [g.init("embed", embed.float32()), "input_ids"], hint="embeds")
-    if cfg.embed_scale != 1.0 and not spec.eagle:
-        x = g.op("Mul", [x, g.f32(cfg.embed_scale)])
-    eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
-    if spec.eagle:
-        inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
-    if eagle3:
+@dataclass(frozen=True)
+class _Tables:
+    """What every layer reads besides the residual stream: the rotary tables' rows at
+    position_ids ([B, T, 1, D/2] each), and the standard attention's masks [B, 1, G*T, S]."""
+    rope: tuple[str, str]
+    local_rope: tuple[str, str] | None    # the sliding layers' own rope base, where they have one
+    bias: str | None                      # None with plugins (they mask by paths)
+    bias_local: str | None                # the sliding layers' mask, where there are any
+
+
+class _Decoder:
+    """One decoder graph being written by build_decoder's steps: the builder, the graph's inputs
+    and outputs (declared here; layers and the verify tail append theirs), the model description."""
+
+    def __init__(self, ckpt: Checkpoint, spec: GraphSpec, act_scales: dict | None, fp8_recipe):
+        cfg = self.cfg = ckpt.config
+        self.ckpt, self.spec = ckpt, spec
+        self.g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
+        self.lin = _Linear(self.g, spec.weights, act_scales, fp8_recipe)
+        # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
+        # q norm's weight
+        self.wscale = 1.0 if cfg.qk_norm else cfg.scale
+        self.windows = [cfg.window(i) for i in range(spec.num_layers)]
         # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
         # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (build/heads/eagle.py)
-        embeds, x = x, "features"
-    elif spec.eagle:
-        # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)
-        x = lin(g.op("Concat", [x, "features"], axis=-1), "fc", ckpt.tensor("fc").float32(),
-                ckpt.tensor("fc_bias").float32())
-    aux = {}
-    cos_t, sin_t = rope_tables(cfg, spec.max_positions)
-    cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
-    sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
-    local_rope = None
-    if any(cfg.local_rope(i) for i in range(spec.num_layers)):      # the sliding layers' own base
-        lc, ls = rope_tables(cfg, spec.max_positions, local=True)
-        local_rope = tuple(g.op("Unsqueeze", [g.op("Gather", [g.init(nm, tab), "position_ids"]), g.i64(2)])
-                           for nm, tab in (("rope_local_cos", lc), ("rope_local_sin", ls)))
-    if not spec.plugins:
-        # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
-        grouped = lambda nm: g.op("Unsqueeze", [g.op("Concat", [nm] * grp, axis=1) if grp > 1 else nm, g.i64(1)])
-        bias = grouped("attn_bias")
-        bias_local = grouped("attn_bias_local") if any(windows) else None
+        self.eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
+        self.inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
+            helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"]),
+        ]
+        if spec.plugins:
+            from backend.build import engine_graph
 
-    def rmsnorm(v: str, weight: SourceTensor | None) -> str:
+            self.attention = engine_graph.PluginAttention(self.g, cfg, self.inputs)
+        else:
+            self.inputs.insert(2, helper.make_tensor_value_info("attn_bias", TensorProto.FLOAT, ["B", "T", "S"]))
+            if any(self.windows):     # the sliding layers' mask: attn_bias and keys within the window
+                self.inputs.insert(3, helper.make_tensor_value_info("attn_bias_local", TensorProto.FLOAT,
+                                                                    ["B", "T", "S"]))
+        self.outputs = [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "R", cfg.vocab_size]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT,
+                                          ["B", "T", cfg.hidden_size * (1 + len(spec.feature_layers))]),
+        ]
+
+    def t(self, i: int, name: str) -> SourceTensor:
+        return self.ckpt.tensor(f"layers.{i}.{name}")
+
+    def has(self, i: int, name: str) -> bool:
+        return f"layers.{i}.{name}" in self.ckpt.tensors
+
+    def rmsnorm(self, v: str, weight: SourceTensor | None) -> str:
         if weight is None:               # an EAGLE-1/2 head: no input norm, no final norm
             return v
         # The exact pattern ORT fuses into SimplifiedLayerNormalization.
+        g = self.g
         var = g.reduce_mean(g.op("Pow", [v, g.f32(2.0)]), -1)
-        std = g.op("Sqrt", [g.op("Add", [var, g.f32(cfg.rms_norm_eps)])])
+        std = g.op("Sqrt", [g.op("Add", [var, g.f32(self.cfg.rms_norm_eps)])])
         return g.op("Mul", [g.op("Div", [v, std]), g.init(g.name(weight.name), weight.float32())])
 
-    for i in range(spec.num_layers):
-        t = lambda n: ckpt.tensor(f"layers.{i}.{n}")
-        has = lambda n: f"layers.{i}.{n}" in ckpt.tensors
-        past_k, past_v = f"past_key_{i}", f"past_value_{i}"
-        pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
-        if i in spec.feature_layers:
-            aux[i] = x
-        if not spec.plugins:
-            for nm in (past_k, past_v):
-                inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
-            for nm in (pres_k, pres_v):
-                outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
+    def embed(self) -> tuple[str, str | None]:
+        """-> the residual stream entering layer 0, and the token embedding an EAGLE-3 head's
+        attention reads (None for the others)."""
+        g, cfg, spec = self.g, self.cfg, self.spec
+        x = g.op("Gather", [g.init("embed", self.ckpt.tensor("embed").float32()), "input_ids"], hint="embeds")
+        if cfg.embed_scale != 1.0 and not spec.eagle:
+            x = g.op("Mul", [x, g.f32(cfg.embed_scale)])
+        if spec.eagle:
+            h = cfg.hidden_size
+            self.inputs.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, ["B", "T", h]))
+        if self.eagle3:
+            return "features", x
+        if spec.eagle:
+            # EAGLE: x = FC([embedding of x_{t+1}, target feature f_t]) (train/eagle_model.py)
+            x = self.lin(g.op("Concat", [x, "features"], axis=-1), "fc", self.ckpt.tensor("fc").float32(),
+                         self.ckpt.tensor("fc_bias").float32())
+        return x, None
 
-        if eagle3:
-            hn = g.op("Concat", [rmsnorm(embeds, t("attn_norm")), rmsnorm(x, t("hidden_norm"))], axis=-1)
+    def tables(self) -> _Tables:
+        """The rotary tables' rows at position_ids; the standard attention's masks."""
+        g, cfg, spec = self.g, self.cfg, self.spec
+        cos_t, sin_t = rope_tables(cfg, spec.max_positions)
+        cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
+        sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
+        local_rope = None
+        if any(cfg.local_rope(i) for i in range(spec.num_layers)):      # the sliding layers' own base
+            lc, ls = rope_tables(cfg, spec.max_positions, local=True)
+            local_rope = tuple(g.op("Unsqueeze", [g.op("Gather", [g.init(nm, tab), "position_ids"]), g.i64(2)])
+                               for nm, tab in (("rope_local_cos", lc), ("rope_local_sin", ls)))
+        if spec.plugins:
+            return _Tables((cos, sin), local_rope, None, None)
+        # attn_bias [B,T,S] -> [B,1,G*T,S]: query rows of the grouped layout are g*T + t
+        grp = cfg.num_groups
+        grouped = lambda nm: g.op("Unsqueeze", [g.op("Concat", [nm] * grp, axis=1) if grp > 1 else nm, g.i64(1)])
+        bias = grouped("attn_bias")
+        return _Tables((cos, sin), local_rope, bias, grouped("attn_bias_local") if any(self.windows) else None)
+
+    def layer(self, i: int, x: str, embeds: str | None, tables: _Tables) -> str:
+        """Layer i: its input norm, q/k/v (q/k normed), rotary, attention, o and its residual,
+        the MLP and its residual."""
+        if self.eagle3:
+            hn = self.g.op("Concat", [self.rmsnorm(embeds, self.t(i, "attn_norm")),
+                                      self.rmsnorm(x, self.t(i, "hidden_norm"))], axis=-1)
         else:
-            hn = rmsnorm(x, t("attn_norm") if has("attn_norm") or not spec.eagle else None)
+            hn = self.rmsnorm(x, self.t(i, "attn_norm") if self.has(i, "attn_norm") or not self.spec.eagle else None)
+        qk, v = self.qkv(i, hn)
+        q, k = self.rotary(i, qk, tables)
+        if self.spec.plugins:                         # q [B,T,Hq,D], k and v [B,T,Hkv,D]
+            o = self.attention.layer(i, q, k, v, self.outputs, self.windows[i])   # q scaled and rotated above
+        else:
+            o = self.standard_attention(i, q, k, v, tables)
+        y = self.lin(o, f"l{i}.o", _weight(self.t(i, "o"), self.spec.weights))
+        return self.mlp(i, self.residual(i, x, y, "post_attn_norm"))
+
+    def qkv(self, i: int, hn: str) -> tuple[str, str]:
+        """Layer i's fused q/k/v projection -> q and k [B, T, Hq + Hkv, D] (q scaled, both normed
+        where the model norms them), v [B, T, Hkv, D]."""
+        g, cfg, spec, t = self.g, self.cfg, self.spec, lambda n: self.t(i, n)
+        nh, nkv, d, wscale = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.wscale
         # FP8 quantizes the runtime's unscaled weights and folds q's scale into their scales
         fold = spec.weights is WeightFormat.FP8 and wscale != 1.0
         wqkv = _cat([_weight(t("q"), spec.weights, 1.0 if fold else wscale), _weight(t("k"), spec.weights),
@@ -276,29 +328,41 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         rows = (np.concatenate([np.full(nh * d, wscale, np.float32), np.ones(2 * nkv * d, np.float32)])
                 if fold else None)
         bqkv = None
-        if cfg.attention_bias and has("q_bias"):
+        if cfg.attention_bias and self.has(i, "q_bias"):
             bqkv = np.concatenate([t("q_bias").float32() * np.float32(wscale),
                                    t("k_bias").float32(), t("v_bias").float32()])
-        qkv = g.op("Reshape", [lin(hn, f"l{i}.qkv", wqkv, bqkv, rows), g.i64(0, 0, nh + 2 * nkv, d)])
+        qkv = g.op("Reshape", [self.lin(hn, f"l{i}.qkv", wqkv, bqkv, rows), g.i64(0, 0, nh + 2 * nkv, d)])
         qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
         if cfg.qk_norm:                  # per-head norms of q and k (q's carries its scale)
             qn, kn = t("q_norm"), t("k_norm")
             qh, kh = g.op("Split", [qk, g.i64(nh, nkv)], n_out=2, axis=2)
-            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(qscale))
-            qk = g.op("Concat", [rmsnorm(qh, qw), rmsnorm(kh, kn)], axis=2)
-        # rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at once
-        c, sn = local_rope if local_rope and cfg.local_rope(i) else (cos, sin)
+            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(cfg.scale))
+            qk = g.op("Concat", [self.rmsnorm(qh, qw), self.rmsnorm(kh, kn)], axis=2)
+        return qk, v
+
+    def rotary(self, i: int, qk: str, tables: _Tables) -> tuple[str, str]:
+        """Rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at
+        once -> q [B,T,Hq,D], k [B,T,Hkv,D]."""
+        g, cfg, d = self.g, self.cfg, self.cfg.head_dim
+        c, sn = tables.local_rope if tables.local_rope and cfg.local_rope(i) else tables.rope
         x1, x2 = g.op("Split", [qk, g.i64(d // 2, d // 2)], n_out=2, axis=3)
         r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, sn])])
         r2 = g.op("Add", [g.op("Mul", [x2, c]), g.op("Mul", [x1, sn])])
-        q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(nh, nkv)], n_out=2, axis=2)
-        if spec.plugins:                              # q [B,T,Hq,D], k and v [B,T,Hkv,D]
-            o = attention.layer(i, q, k, v, outputs, windows[i])     # q scaled and rotated above
-            x = _residual(g, x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights)), t, has, "post_attn_norm", rmsnorm)
-            x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm, has)
-            if progress is not None:
-                progress(1)
-            continue
+        q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(cfg.num_heads, cfg.num_kv_heads)],
+                    n_out=2, axis=2)
+        return q, k
+
+    def standard_attention(self, i: int, q: str, k: str, v: str, tables: _Tables) -> str:
+        """Layer i's attention in standard ops over past_key_i / past_value_i (batch invariant:
+        the module docstring) -> [B, T, Hq*D]; declares the layer's cache inputs and outputs."""
+        g, cfg = self.g, self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        past_k, past_v = f"past_key_{i}", f"past_value_{i}"
+        pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
+        for nm in (past_k, past_v):
+            self.inputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "P", d]))
+        for nm in (pres_k, pres_v):
+            self.outputs.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["B", nkv, "S", d]))
         q = g.op("Reshape", [g.op("Transpose", [q], perm=[0, 2, 1, 3]), g.i64(0, nkv, -1, d)])
         k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
         v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
@@ -306,74 +370,82 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
         g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
         scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
         if cfg.attn_logit_softcap:        # Gemma-2: cap tanh(scores / cap), before the mask
-            cap = g.f32(cfg.attn_logit_softcap)
-            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
-        s = g.op("Add", [scores, bias_local if windows[i] else bias])   # [B, Hkv, G*T, S]
+            scores = _softcap(g, scores, cfg.attn_logit_softcap)
+        s = g.op("Add", [scores, tables.bias_local if self.windows[i] else tables.bias])   # [B, Hkv, G*T, S]
         e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
         e64 = g.op("Cast", [e], to=TensorProto.DOUBLE)
         z = g.op("ReduceSum", [e64, g.i64(-1)], keepdims=1)
         pv = g.op("MatMul", [e64, g.op("Cast", [pres_v], to=TensorProto.DOUBLE)])
         o = g.op("Cast", [g.op("Div", [pv, z])], to=TensorProto.FLOAT)  # [B, Hkv, G*T, D]
-        o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
-                                  perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
-        x = _residual(g, x, lin(o, f"l{i}.o", _weight(t("o"), spec.weights)), t, has, "post_attn_norm", rmsnorm)
-        x = _mlp(g, lin, cfg, spec, i, t, x, rmsnorm, has)
-        if progress is not None:
-            progress(1)
+        return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
+                                     perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
 
-    normed = rmsnorm(x, ckpt.tensor("norm") if "norm" in ckpt.tensors or not spec.eagle else None)
-    if eagle3:                   # an EAGLE-3 head's next-level feature is its pre-norm output
-        g.op("Identity", [x], outputs=["hidden"])
-    elif spec.feature_layers:
-        g.op("Concat", [normed] + [aux[j] for j in spec.feature_layers], axis=-1, outputs=["hidden"])
-    else:
-        g.op("Identity", [normed], outputs=["hidden"])
-    rows = g.op("GatherND", [normed, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
-    head = ckpt.tensors.get("lm_head", embed)
-    if spec.weights in (WeightFormat.FP32, WeightFormat.FP8):
-        head_w = head.float32()
-    elif quant.decodable(head.qtype):
-        head_w = quant.decode_blocks(head.qtype, head.rows())
-    else:
-        head_w = quant.quantize_rtn(head.float32(), bits=8, block_size=32)
-    logits = lin(rows, "lm_head", head_w)
-    if cfg.final_logit_softcap:
-        cap = g.f32(cfg.final_logit_softcap)
-        logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
-    g.op("Identity", [logits], outputs=["logits"])
-    if spec.plugins and spec.verify:
-        attention.verify_tail(inputs, outputs)
+    def residual(self, i: int, x: str, y: str, post_norm: str) -> str:
+        """x + y, or x + norm(y) where the architecture norms a block's output (Gemma)."""
+        return self.g.op("Add", [x, self.rmsnorm(y, self.t(i, post_norm)) if self.has(i, post_norm) else y])
 
-    graph = helper.make_graph(g.nodes, "specdec_decoder", inputs, outputs, g.inits)
-    opsets = [helper.make_opsetid("", g.opset), helper.make_opsetid("com.microsoft", 1)]
-    if spec.plugins:
-        opsets.append(helper.make_opsetid("specdec", 1))
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
-    model.ir_version = 10 if spec.plugins else 8
-    return model
+    def mlp(self, i: int, x: str) -> str:
+        """x + down(act(gate(norm x)) * up(norm x)): layer i's gated MLP (SwiGLU, or GeGLU with tanh
+        GELU) with its residual."""
+        g, cfg, fmt = self.g, self.cfg, self.spec.weights
+        hn = self.rmsnorm(x, self.t(i, "mlp_norm"))
+        wgu = _cat([_weight(self.t(i, "gate"), fmt), _weight(self.t(i, "up"), fmt)])
+        gate, up = g.op("Split", [self.lin(hn, f"l{i}.gate_up", wgu),
+                                  g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
+        if cfg.activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
+            inner = g.op("Mul", [g.op("Add", [gate, g.op("Mul", [cube, g.f32(0.044715)])]),
+                                 g.f32(float(np.sqrt(2.0 / np.pi)))])
+            a = g.op("Mul", [g.op("Mul", [gate, g.f32(0.5)]), g.op("Add", [g.op("Tanh", [inner]), g.f32(1.0)])])
+        else:
+            a = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        y = self.lin(g.op("Mul", [a, up]), f"l{i}.down", _weight(self.t(i, "down"), fmt))
+        return self.residual(i, x, y, "post_mlp_norm")
+
+    def head(self, x: str, features: list[str]) -> None:
+        """The final norm; `hidden` (the final-norm features, then `features`: the residual
+        stream entering each of spec.feature_layers); `logits` of the rows logits_index picks,
+        soft-capped where the model caps them; with plugins and verify, the rejection_sample tail."""
+        g, cfg, spec, ckpt = self.g, self.cfg, self.spec, self.ckpt
+        normed = self.rmsnorm(x, ckpt.tensor("norm") if "norm" in ckpt.tensors or not spec.eagle else None)
+        if self.eagle3:                   # an EAGLE-3 head's next-level feature is its pre-norm output
+            g.op("Identity", [x], outputs=["hidden"])
+        elif spec.feature_layers:
+            g.op("Concat", [normed] + features, axis=-1, outputs=["hidden"])
+        else:
+            g.op("Identity", [normed], outputs=["hidden"])
+        rows = g.op("GatherND", [normed, g.op("Unsqueeze", ["logits_index", g.i64(-1)])], batch_dims=1)
+        head = ckpt.tensors.get("lm_head", ckpt.tensor("embed"))
+        logits = self.lin(rows, "lm_head", _head_weight(head, spec.weights))
+        if cfg.final_logit_softcap:
+            logits = _softcap(g, logits, cfg.final_logit_softcap)
+        g.op("Identity", [logits], outputs=["logits"])
+        if spec.plugins and spec.verify:
+            self.attention.verify_tail(self.inputs, self.outputs)
+
+    def model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.g.nodes, "specdec_decoder", self.inputs, self.outputs, self.g.inits)
+        opsets = [helper.make_opsetid("", self.g.opset), helper.make_opsetid("com.microsoft", 1)]
+        if self.spec.plugins:
+            opsets.append(helper.make_opsetid("specdec", 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec")
+        model.ir_version = 10 if self.spec.plugins else 8
+        return model
 
 
-def _residual(g: _Builder, x: str, y: str, t, has, post_norm: str, rmsnorm) -> str:
-    """x + y, or x + norm(y) where the architecture norms a block's output (Gemma)."""
-    return g.op("Add", [x, rmsnorm(y, t(post_norm)) if has(post_norm) else y])
+def _head_weight(head: SourceTensor, fmt: WeightFormat):
+    """The LM head: float32 (fp32, FP8), else its GGUF blocks where decodable, else 8-bit blocks."""
+    if fmt in (WeightFormat.FP32, WeightFormat.FP8):
+        return head.float32()
+    if quant.decodable(head.qtype):
+        return quant.decode_blocks(head.qtype, head.rows())
+    return quant.quantize_rtn(head.float32(), bits=8, block_size=32)
 
 
-def _mlp(g: _Builder, lin: _Linear, cfg: ModelConfig, spec: GraphSpec, i: int, t, x: str, rmsnorm, has) -> str:
-    """x + down(act(gate(norm x)) * up(norm x)): layer i's gated MLP (SwiGLU, or GeGLU with tanh
-    GELU) with its residual."""
-    hn = rmsnorm(x, t("mlp_norm"))
-    wgu = _cat([_weight(t("gate"), spec.weights), _weight(t("up"), spec.weights)])
-    gate, up = g.op("Split", [lin(hn, f"l{i}.gate_up", wgu),
-                              g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
-    if cfg.activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-        cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
-        inner = g.op("Mul", [g.op("Add", [gate, g.op("Mul", [cube, g.f32(0.044715)])]),
-                             g.f32(float(np.sqrt(2.0 / np.pi)))])
-        a = g.op("Mul", [g.op("Mul", [gate, g.f32(0.5)]), g.op("Add", [g.op("Tanh", [inner]), g.f32(1.0)])])
-    else:
-        a = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-    y = lin(g.op("Mul", [a, up]), f"l{i}.down", _weight(t("down"), spec.weights))
-    return _residual(g, x, y, t, has, "post_mlp_norm", rmsnorm)
+def _softcap(g: _Builder, x: str, cap: float) -> str:
+    """cap * tanh(x / cap) (Gemma-2's soft-caps of attention scores and of logits)."""
+    c = g.f32(cap)
+    return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c])
 
 
 GATHERED = ("embed", "rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin")   # initializers a token reads one row of
