@@ -8,7 +8,15 @@ by request (door order flipped every other prompt) against one running `specdec 
     .venv/bin/python benchmarks/front_cost.py --triton 127.0.0.1:8000 --openai 127.0.0.1:8080 \
         --reps 3 --max-tokens 64 --json front_cost.json
 
-Both doors are read with the same plain HTTP client (http.client, server-sent events), so client
+With `--openai-b HOST:PORT` a second front (another build of the front, e.g. a change and its base,
+each run by its own process against the same Triton) joins the rotation as a third door, and the
+JSON adds `b_over_a`: the A/B of the two fronts measured alternated in one run.
+
+With `--grpc HOST:PORT` Triton's own gRPC stream (tritonclient, one client and stream for the
+run) joins too: the front speaks gRPC to Triton, so `triton_grpc` against `triton` splits what
+Triton's gRPC door costs from what the front itself costs.
+
+The HTTP doors are read with the same plain HTTP client (http.client, server-sent events), so client
 libraries add nothing to either side. Per door: time to first token (first non-empty text piece),
 the whole request, tokens (the server's count: Triton's final `output_token_count`, the front's
 `usage`), and the texts must be equal (the JSON says whether they were).
@@ -57,24 +65,79 @@ def _stream(hostport: str, path: str, body: dict) -> tuple[float, float, str, in
     return first or 0.0, time.perf_counter() - t0, "".join(text), tokens
 
 
-def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_tokens: int) -> dict:
-    rows = {"triton": [], "openai": []}
+class _GrpcDoor:
+    """Triton's gRPC stream, one persistent client: -> the same tuple as _stream."""
+
+    def __init__(self, hostport: str):
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        self.q: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(hostport)
+        self.client.start_stream(callback=lambda result, error: self.q.put((time.perf_counter(), result, error)))
+        self.n = 0
+
+    def __call__(self, fields: dict) -> tuple[float, float, str, int]:
+        import numpy as np
+
+        from backend.serve.client import grpc_inputs
+
+        self.n += 1
+        t0 = time.perf_counter()
+        self.client.async_stream_infer("specdec", grpc_inputs(fields), request_id=f"fc-{self.n}")
+        first, text, tokens = None, [], 0
+        while True:
+            t, result, error = self.q.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(f"gRPC: {error}")
+            piece = bytes(np.asarray(result.as_numpy("text_output")).reshape(-1)[0]).decode("utf-8", "replace")
+            if piece:
+                first = first if first is not None else t - t0
+                text.append(piece)
+            if np.asarray(result.as_numpy("finish_reason")).reshape(-1)[0]:
+                tokens = int(np.asarray(result.as_numpy("output_token_count")).reshape(-1)[0])
+                return first or 0.0, t - t0, "".join(text), tokens
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def _order(doors: tuple[str, ...], k: int) -> tuple[str, ...]:
+    """The doors' order for the k-th prompt: two doors flip, three rotate (each door leads as often)."""
+    if len(doors) == 2:
+        return doors if k % 2 == 0 else doors[::-1]
+    k %= len(doors)
+    return doors[k:] + doors[:k]
+
+
+def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_tokens: int,
+        openai_b: str | None = None, grpc: str | None = None) -> dict:
+    fronts = {"openai": openai, **({"openai_b": openai_b} if openai_b else {})}
+    rows = {"triton": [], **{d: [] for d in fronts}, **({"triton_grpc": []} if grpc else {})}
+    grpc_door = _GrpcDoor(grpc) if grpc else None
     same = 0
     for rep in range(reps):
         for i, messages in enumerate(prompts):
             got = {}
-            order = ("triton", "openai") if (i + rep) % 2 == 0 else ("openai", "triton")
-            for door in order:
+            for door in _order(tuple(rows), i + rep):
                 if door == "triton":
                     body = {"text_input": json.dumps(messages), "apply_chat_template": True, "stream": True,
                             "max_tokens": max_tokens, "temperature": 0.0, "end_id": -1}
                     got[door] = _stream(triton, "/v2/models/specdec/generate_stream", body)
+                elif door == "triton_grpc":
+                    got[door] = grpc_door({"text_input": json.dumps(messages), "apply_chat_template": True,
+                                           "stream": True, "max_tokens": max_tokens, "temperature": 0.0,
+                                           "end_id": -1})
                 else:
                     body = {"model": "specdec", "messages": messages, "stream": True, "max_tokens": max_tokens,
                             "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-                    got[door] = _stream(openai, "/v1/chat/completions", body)
+                    got[door] = _stream(fronts[door], "/v1/chat/completions", body)
                 rows[door].append(got[door][:2] + (got[door][3],))
-            same += got["triton"][2] == got["openai"][2]
+            same += all(got[d][2] == got["triton"][2] for d in got)
+    if grpc_door:
+        grpc_door.close()
     out = {}
     for door, r in rows.items():
         tokens, seconds = sum(x[2] for x in r), sum(x[1] for x in r)
@@ -82,6 +145,16 @@ def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_toke
                      "tokens_per_s": round(tokens / seconds, 2), "requests": len(r), "tokens": tokens}
     out["front_over_triton"] = {"throughput": round(out["openai"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
                                 "ttft_ms_added": round(out["openai"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
+    if openai_b:
+        out["front_b_over_triton"] = {
+            "throughput": round(out["openai_b"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
+            "ttft_ms_added": round(out["openai_b"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
+        out["b_over_a"] = {"throughput": round(out["openai_b"]["tokens_per_s"] / out["openai"]["tokens_per_s"], 4),
+                           "ttft_ms": round(out["openai_b"]["ttft_ms_median"] - out["openai"]["ttft_ms_median"], 2)}
+    if grpc:
+        out["triton_grpc_over_http"] = {
+            "throughput": round(out["triton_grpc"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
+            "ttft_ms_added": round(out["triton_grpc"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
     out["identical_texts"] = f"{same}/{len(prompts) * reps}"
     return out
 
@@ -90,14 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--triton", default="127.0.0.1:8000", help="Triton's HTTP host:port")
     ap.add_argument("--openai", default="127.0.0.1:8080", help="the OpenAI front's host:port")
+    ap.add_argument("--openai-b", default=None, help="a second front's host:port, alternated with the first")
+    ap.add_argument("--grpc", default=None, help="Triton's gRPC host:port: its gRPC stream as one more door")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "public.jsonl"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     prompts = [json.loads(line)["messages"] for line in Path(a.prompts).read_text().splitlines() if line.strip()]
-    result = run(a.triton, a.openai, prompts, a.reps, a.max_tokens)
-    result["config"] = {"reps": a.reps, "max_tokens": a.max_tokens, "prompts": a.prompts}
+    result = run(a.triton, a.openai, prompts, a.reps, a.max_tokens, a.openai_b, a.grpc)
+    result["config"] = {"reps": a.reps, "max_tokens": a.max_tokens, "prompts": a.prompts, "openai_b": a.openai_b, "grpc": a.grpc}
     print(json.dumps(result, indent=2))
     if a.json:
         write_result(a.json, result)

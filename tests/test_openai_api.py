@@ -1,11 +1,13 @@
 """The OpenAI-compatible front door against the real tritonserver, with the official `openai` client:
 both doors give the same text (greedy and seeded sampling, chat and completions, streamed and not),
 usage counts what the model counted, stop strings cut exactly, every refusal is a 400 naming its
-field, an unreachable Triton is a 503 with Retry-After, and a client gone mid-stream frees its slot."""
+field, an unreachable Triton and a full queue are a 503 with Retry-After (and the server serves on),
+and a client gone mid-stream frees its slot."""
 from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -164,6 +166,69 @@ def test_unreachable_triton_is_503_with_retry_after(built_repo):
         assert json.loads(e.value.read())["error"]["type"] == "server_unavailable"
     finally:
         oa.stop()
+
+
+@pytest.fixture(scope="module")
+def full(built_repo, tmp_path_factory):
+    """A server that decodes one request at a time and queues one more (generator's
+    max_active_batch 1, max_queue_size 1), and a front door before it."""
+    from test_faults import repo_with
+
+    repo = repo_with(built_repo, tmp_path_factory.mktemp("full") / "repo", max_active_batch=1, max_queue_size=1)
+    srv = TritonServer(repo, log_file=repo.parent / "server.log").start()
+    oa = OpenAIServer(front_for(repo / ENGINE_SUBDIR, srv.grpc_url), free_port()).start()
+    yield srv, oa
+    oa.stop()
+    assert srv.stop() == 0          # the refused streams left no relay thread behind (perf-notes §27)
+
+
+def post(port: int, body: dict) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_full_queue_is_503_with_retry_after_and_the_server_serves_on(full):
+    """Beyond the generator's queue, the door answers at once 503 with Retry-After and OpenAI's
+    error object (streamed or not: a stream's headers wait for the model's first answer); every
+    accepted request completes; afterwards the same door serves again."""
+    srv, oa = full
+    answers: list = [None] * 12
+
+    def send(i: int) -> None:
+        answers[i] = post(oa.port, {"model": "specdec", "max_tokens": 48, "ignore_eos": True, "stream": i % 2 == 1,
+                                    "messages": [{"role": "user", "content": f"Count from {i} to {i + 40} in words."}]})
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(answers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(a is not None for a in answers), "every request is answered: never silence"
+    busy = [a for a in answers if a[0] == 503]
+    served = [a for a in answers if a[0] == 200]
+    assert busy and served and len(busy) + len(served) == len(answers), [a[:2] for a in answers]
+    for status, headers, body in busy:
+        assert int(headers["Retry-After"]) > 0 and headers["Content-Type"].startswith("application/json")
+        err = json.loads(body)["error"]
+        assert err["type"] == "server_busy" and "max_queue_size" in err["message"], err
+        assert set(err) == {"message", "type", "param", "code"}
+    for status, headers, body in served:                # whole answers, streamed or not
+        if headers["Content-Type"].startswith("text/event-stream"):
+            assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+        else:
+            assert json.loads(body)["usage"]["completion_tokens"] == 48
+    deadline = time.time() + 60                         # the queue drains; the door serves again
+    status, _, body = post(oa.port, {"model": "specdec", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    while status == 503 and time.time() < deadline:
+        time.sleep(0.5)
+        status, _, body = post(oa.port, {"model": "specdec", "max_tokens": 4,
+                                         "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"], body
 
 
 def gauge(server, name: str, **labels) -> float:

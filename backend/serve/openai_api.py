@@ -2,7 +2,8 @@
 
 An aiohttp app that turns each request into one streamed request to the `specdec` Triton model over
 gRPC (openai_triton), so it holds no engine: only the tokenizer, to count the prompt's tokens for
-`usage` exactly as the model counts them (backend/triton_io.prompt_ids, chat template included).
+`usage` exactly as the model counts them (backend/triton_io.prompt_ids, chat template included),
+once the model has answered (a streamed request without `include_usage` never counts).
 A streamed answer waits for the model's first response before it sends its headers, so a refused
 input is an HTTP 400 there too; later errors arrive as an SSE `error` event. A client that goes
 away cancels its handler (aiohttp's handler_cancellation), which closes the Triton stream: the
@@ -26,7 +27,7 @@ from backend.config import RequestError
 from backend.errors import UserError
 from backend.serve import openai_protocol as proto
 from backend.serve.openai_protocol import ApiError, Call
-from backend.serve.openai_triton import Piece, TritonFailure, generate
+from backend.serve.openai_triton import Piece, TritonFailure, connect, generate
 
 log = logging.getLogger("specdec.openai")
 TRITON_MODEL = "specdec"
@@ -62,12 +63,18 @@ async def _errors(request, handler):
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
 
 
+def _drop(task: asyncio.Future | None) -> None:
+    """Let go of a count no longer wanted (cancelled, or its result or refusal read)."""
+    if task is not None and not task.cancel() and not task.cancelled():
+        task.exception()
+
+
 class Front:
     """The request handlers: one gRPC channel to Triton, the tokenizer, the engine's context length."""
 
     def __init__(self, grpc_url: str, tokenizer, max_seq_len: int, model_ids: tuple[str, ...] = (proto.MODEL_ID,)):
         self.grpc_url, self.tok, self.max_seq_len, self.model_ids = grpc_url, tokenizer, max_seq_len, model_ids
-        self.client = None
+        self.channel = self.stub = None
         self.created = int(time.time())
 
     def app(self):
@@ -82,12 +89,10 @@ class Front:
         return app
 
     async def _connect(self, app) -> None:
-        import tritonclient.grpc.aio as grpcaio
-
-        self.client = grpcaio.InferenceServerClient(self.grpc_url)
+        self.channel, self.stub = connect(self.grpc_url)
 
     async def _disconnect(self, app) -> None:
-        await self.client.close()
+        await self.channel.close()
 
     async def models(self, request):
         from aiohttp import web
@@ -118,28 +123,35 @@ class Front:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
         call = proto.parse(body, chat, self.model_ids)
-        # the prompt's token count (usage) runs beside the request, off the time to first token;
-        # only a chat without max_tokens needs it first (up to the engine's context, vLLM's default)
-        counting = asyncio.ensure_future(asyncio.to_thread(self.count_prompt, call))
         fields = dict(call.fields)
-        if "max_tokens" not in fields:
+        counting = None
+        if "max_tokens" not in fields:             # up to the engine's context (vLLM's default)
+            counting = self._count(call)
             fields["max_tokens"] = max(1, self.max_seq_len - await counting)
-        pieces = generate(self.client, TRITON_MODEL, fields)
+        pieces = generate(self.stub, TRITON_MODEL, fields)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         try:
-            try:
-                piece = await self._next(pieces, call)
-            finally:
-                prompt_tokens = await counting     # its refusal (400 naming the field) first
+            piece = await self._next(pieces, call)
             if call.stream:
-                return await self._stream(request, call, pieces, piece, rid, created, prompt_tokens)
+                return await self._stream(request, call, pieces, piece, rid, created, counting)
+            if counting is None:
+                counting = self._count(call)
             parts = [piece.text]
             while piece.stats is None:
                 piece = await self._next(pieces, call)
                 parts.append(piece.text)
-            return web.json_response(proto.response(call, rid, created, "".join(parts), piece.stats, prompt_tokens))
+            return web.json_response(proto.response(call, rid, created, "".join(parts), piece.stats,
+                                                    await counting))
         finally:
+            _drop(counting)
             await pieces.aclose()                  # an unfinished request is cancelled in Triton
+
+    def _count(self, call: Call) -> asyncio.Future:
+        """The prompt's token count for `usage`, in a worker thread. Started once the model has
+        accepted the request and answered (after the first chunk of a stream), so its ~1.5 ms of
+        tokenizing stays off the time to first token; a prompt the model refuses is refused in
+        the model's words (the same check, triton_io.prompt_ids, named for this door)."""
+        return asyncio.ensure_future(asyncio.to_thread(self.count_prompt, call))
 
     @staticmethod
     async def _next(pieces, call: Call) -> Piece:
@@ -151,7 +163,8 @@ class Front:
                                kind="server_unavailable", retry_after=2) from None
             raise proto.triton_error(f.message, call) from None
 
-    async def _stream(self, request, call: Call, pieces, piece: Piece, rid: str, created: int, prompt_tokens: int):
+    async def _stream(self, request, call: Call, pieces, piece: Piece, rid: str, created: int,
+                      counting: asyncio.Future | None):
         from aiohttp import web
 
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -162,17 +175,21 @@ class Front:
                 if piece.text or first:
                     await resp.write(sse(proto.chunk(call, rid, created, piece.text, first=first)))
                     first = False
+                if call.include_usage and counting is None:
+                    counting = self._count(call)   # after the first chunk: off the time to first token
                 if piece.stats is not None:
                     break
                 piece = await self._next(pieces, call)
             await resp.write(sse(proto.chunk(call, rid, created, None, piece.stats)))
             if call.include_usage:
-                await resp.write(sse(proto.usage_chunk(call, rid, created, piece.stats, prompt_tokens)))
+                await resp.write(sse(proto.usage_chunk(call, rid, created, piece.stats, await counting)))
             await resp.write(sse("[DONE]"))
         except ApiError as err:                    # headers are gone: the error is an event
             await resp.write(sse(err.body()))
         except ConnectionError:                    # the client left: the caller cancels the request
             return resp
+        finally:
+            _drop(counting)
         await resp.write_eof()
         return resp
 
