@@ -19,16 +19,15 @@ from test_native_blocks import TYPES, _tensor  # noqa: E402
 from backend.build.native_blocks import matrix  # noqa: E402
 
 HAS_TILES = native.use_tiles(True) == "amx"
-native.use_tiles(False)
 needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="this CPU/OS gives no AMX tiles: the tile path is "
                                                        "not exercised here (it runs on Sapphire Rapids and later)")
 
 
 @pytest.fixture(autouse=True)
 def _default_path():
-    """Every test leaves the library on the default path (SPECDEC_ISA=auto: the vector path)."""
+    """Every test leaves the library on the default path (tiles where there are any)."""
     yield
-    native.use_tiles(False)
+    native.use_tiles(True)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +122,7 @@ def _isa_in_subprocess(value: str) -> subprocess.CompletedProcess:
 def test_specdec_isa_selects_the_path_or_refuses_clearly():
     auto = _isa_in_subprocess("auto")
     assert auto.returncode == 0, auto.stderr
-    assert auto.stdout.strip() in ("avx512-vnni", "avx-vnni", "avx2")      # tiles are opt-in (SPECDEC_ISA=amx)
+    assert auto.stdout.strip() in (("amx",) if HAS_TILES else ("avx512-vnni", "avx-vnni", "avx2")), auto.stdout
     bad = _isa_in_subprocess("sse2")
     assert bad.returncode != 0 and "SPECDEC_ISA='sse2': expected one of auto, amx, avx512, avx2" in bad.stderr
     amx = _isa_in_subprocess("amx")

@@ -94,10 +94,9 @@ class _Workspace(ctypes.Structure):
 _LIB = None
 
 
-# SPECDEC_ISA: the path the quantized matmul runs on. auto (unset): the build's vector path (AMX
-# tiles are opt-in for now: with them on, the soak's generator RSS kept climbing ~30 MiB per 240
-# requests where the VNNI path's levelled off, perf-notes §25; not yet understood); amx: tiles
-# (for 10+ rows) or an error; avx512: the build's AVX-512 VNNI path without tiles; avx2: the
+# SPECDEC_ISA: the path the quantized matmul runs on. auto (unset): AMX tiles where the CPU and the
+# OS have them (for matmuls of 10+ int8 rows, kernels.c tile_min_rows), else the build's vector
+# path; amx: tiles or an error; avx512: the build's AVX-512 VNNI path without tiles; avx2: the
 # 256-bit build setup.py compiles beside it (plugins._native_avx2).
 # Every path gives the same bits (plugins/native/amx.h, tests/test_native_amx.py).
 ISAS = ("auto", "amx", "avx512", "avx2")
@@ -152,7 +151,7 @@ def library() -> ctypes.CDLL:
         lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
         lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
         lib.sd_matmul.restype = ctypes.c_int
-        on = lib.sd_use_tiles(TILES_AUTO if want == "amx" else TILES_OFF)
+        on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
         if want == "amx" and not on:
             raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
                             "XCR0 and the Linux permission request); unset it to run the vector path")
