@@ -31,6 +31,7 @@ from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
+from backend.runtime.cores import CoreGovernor
 from backend.runtime.ort import Grow, default_threads     # output buffers; the shared thread count
 from backend.runtime.slot_blocks import SlotBlocks
 
@@ -304,6 +305,7 @@ class NativeRuntime(SlotSequences):
         self.lib = library()
         self.model = NativeModel(engine_path, config, num_layers, wide)
         self.threads = options.threads or default_threads()
+        self.governor = CoreGovernor(self.threads)     # fewer threads while other processes hold cores
         self.capacity = options.max_sequences or 64
         self.columns = max_seq_len + SCRATCH_COLUMNS
         self.cache = np.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
@@ -363,7 +365,7 @@ class NativeRuntime(SlotSequences):
                       "features": None if feats is None else np.ascontiguousarray(pick(np.asarray(feats, np.float32)))}
             arrays["feature_layers"] = self.feature_layers
             self._check_shapes(arrays, n)
-            step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.threads, len(self.feature_layers),
+            step = _Step(b, n, host["paths"].shape[2], len(logit_rows), self.governor.threads(), len(self.feature_layers),
                          *(_ptr(arrays[k]) for k in ("row_start", "ids", "pos", "wslot", "wcol", "paths", "ctx",
                                                      "slots", "logit_rows", "feature_layers", "features")),
                          _ptr(packed), _ptr(packed_logits))
