@@ -143,18 +143,17 @@ def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_toke
         tokens, seconds = sum(x[2] for x in r), sum(x[1] for x in r)
         out[door] = {"ttft_ms_median": round(1000 * statistics.median(x[0] for x in r), 2),
                      "tokens_per_s": round(tokens / seconds, 2), "requests": len(r), "tokens": tokens}
-    out["front_over_triton"] = {"throughput": round(out["openai"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
-                                "ttft_ms_added": round(out["openai"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
+    def versus(a: str, b: str) -> dict:
+        """door a against door b: throughput ratio, median TTFT added."""
+        return {"throughput": round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 4),
+                "ttft_ms_added": round(out[a]["ttft_ms_median"] - out[b]["ttft_ms_median"], 2)}
+
+    out["front_over_triton"] = versus("openai", "triton")
     if openai_b:
-        out["front_b_over_triton"] = {
-            "throughput": round(out["openai_b"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
-            "ttft_ms_added": round(out["openai_b"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
-        out["b_over_a"] = {"throughput": round(out["openai_b"]["tokens_per_s"] / out["openai"]["tokens_per_s"], 4),
-                           "ttft_ms": round(out["openai_b"]["ttft_ms_median"] - out["openai"]["ttft_ms_median"], 2)}
+        out["front_b_over_triton"] = versus("openai_b", "triton")
+        out["b_over_a"] = versus("openai_b", "openai")
     if grpc:
-        out["triton_grpc_over_http"] = {
-            "throughput": round(out["triton_grpc"]["tokens_per_s"] / out["triton"]["tokens_per_s"], 4),
-            "ttft_ms_added": round(out["triton_grpc"]["ttft_ms_median"] - out["triton"]["ttft_ms_median"], 2)}
+        out["triton_grpc_over_http"] = versus("triton_grpc", "triton")
     out["identical_texts"] = f"{same}/{len(prompts) * reps}"
     return out
 

@@ -487,3 +487,43 @@ def plugin_attention_case(rng) -> tuple:
         for j in range(n):
             paths[r, j, : len(prior) + j + 1] = prior + [nprior[r] + x for x in range(j + 1)]
     return q, k, v, kc, vc, slots, ctx, nprior, paths
+
+
+@pytest.fixture(scope="session")
+def tiny_native_engine(tmp_path_factory):
+    """A tiny engine with wide qkv and LM head -> run(): two rows prefilled (37 and 21 tokens: a
+    whole tile and a rest), then one forward of both with a tree each, then a plain step; every
+    forward's logits. run(threads): on that many threads whatever else runs (the thread governor
+    off); None: the runtime's own choice."""
+    from backend.build.pipeline import BuildConfig, build
+    from backend.manifest import WeightFormat
+    from backend.devices import load_runtime
+    from backend.tree import TokenTree
+
+    d = tmp_path_factory.mktemp("amx")
+    ckpt = make_tiny_checkpoint(d / "ckpt", seed=7)
+    manifest = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, weights=(WeightFormat.GGUF,),
+                                 measure_costs=False, extra={"wide_activations": "qkv,lm_head"}))
+    tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, 37), rng.integers(3, 200, 21)]
+    nodes = rng.integers(3, 200, (2, tree.num_nodes))
+
+    def run(threads: int | None = None) -> list[np.ndarray]:
+        rt = load_runtime(manifest, "gguf")
+        if threads is not None:
+            from backend.runtime.cores import CoreGovernor
+            rt.governor = CoreGovernor(threads, on=False)
+        out = []
+        for sid, ids in enumerate(prompts):
+            rt.alloc(sid)
+            out.append(np.array(rt.forward([sid], ids[None], chain(ids.size), np.arange(ids.size)[None]).logits))
+            rt.commit([sid], [np.arange(ids.size)])
+        parents = np.stack([tree.parents, tree.parents])
+        out.append(np.array(rt.forward([0, 1], nodes, parents, np.tile(np.arange(tree.num_nodes), (2, 1))).logits))
+        rt.commit([0, 1], [np.array([0, 2]), np.array([0])])
+        out.append(np.array(rt.forward([1], nodes[:1, :1], chain(1), np.zeros((1, 1), np.int64)).logits))
+        rt.close()
+        return out
+
+    return run

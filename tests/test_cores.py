@@ -113,34 +113,7 @@ native = pytest.importorskip("backend.runtime.native")
 
 
 @pytest.mark.skipif(not native.compiled(), reason="the native kernel is not compiled")
-def test_an_engine_s_logits_on_one_and_two_threads_are_the_same_bits(tmp_path):
-    from conftest import chain, make_tiny_checkpoint
-
-    from backend.build.pipeline import BuildConfig, build
-    from backend.devices import load_runtime
-    from backend.manifest import WeightFormat
-    from backend.tree import TokenTree
-
-    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=11)
-    manifest = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", quiet=True,
-                                 weights=(WeightFormat.GGUF,), measure_costs=False))
-    tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 200, 37), rng.integers(3, 200, 21)]
-    nodes = rng.integers(3, 200, (2, tree.num_nodes))
-
-    def run(threads: int) -> list[np.ndarray]:
-        rt = load_runtime(manifest, "gguf")
-        rt.governor = CoreGovernor(threads, on=False)
-        out = []
-        for sid, ids in enumerate(prompts):
-            rt.alloc(sid)
-            out.append(np.array(rt.forward([sid], ids[None], chain(ids.size), np.arange(ids.size)[None]).logits))
-            rt.commit([sid], [np.arange(ids.size)])
-        parents = np.stack([tree.parents, tree.parents])
-        out.append(np.array(rt.forward([0, 1], nodes, parents, np.tile(np.arange(tree.num_nodes), (2, 1))).logits))
-        rt.close()
-        return out
-
-    for a, b in zip(run(1), run(2)):
+def test_an_engine_s_logits_on_one_and_two_threads_are_the_same_bits(tiny_native_engine):
+    """Prefills, a batch of two trees and a plain step (conftest's tiny engine, wide qkv and LM head)."""
+    for a, b in zip(tiny_native_engine(1), tiny_native_engine(2)):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
