@@ -16,6 +16,7 @@ from backend.manifest import Device, WeightFormat
 
 def cmd_build(args) -> int:
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices import OPTIONS
 
     weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip()) if args.weights else None
     cfg = BuildConfig(
@@ -23,8 +24,8 @@ def cmd_build(args) -> int:
         default_format=WeightFormat(args.default_format) if args.default_format else None,
         drafts=_drafts(args), max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
         check_invariance=not args.no_invariance_check, measure_costs=not args.no_cost_model,
-        quiet=args.quiet, extra={"remote_draft": args.remote_draft, "remote_draft_kind": args.remote_draft_kind,
-                                 "fp8_recipe": args.fp8_recipe, "wide_activations": args.wide_activations})
+        quiet=args.quiet, remote_draft=args.remote_draft, remote_draft_kind=args.remote_draft_kind,
+        options=tuple(options.from_args(args) for options in OPTIONS))
     build(cfg)
     return 0
 

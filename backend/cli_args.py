@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from backend.bench.prompt_sets import default_prompts
-from backend.devices import DEVICES, FORMATS
-from backend.runtime.fp8 import RECIPES as FP8_RECIPES
+from backend.devices import DEVICES, FORMATS, OPTIONS
 
 DEFAULT_REPO = "model_repository"
 
@@ -42,17 +41,8 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="draft on a draft node: its tritonserver's gRPC host:port, or `local` for "
                         "this server's own (serve a node with `specdec build-draft-node`)")
     p.add_argument("--remote-draft-kind", default="draft-model", choices=["draft-model", "eagle"])
-    p.add_argument("--fp8-recipe", default="auto",
-                   choices=["auto"] + [n for r in FP8_RECIPES for n in (r.name, r.name + "+gptq")],
-                   help="FP8 engines: how weights and inputs are scaled (+gptq: weights rounded by GPTQ on "
-                        "the calibration prompts); auto: the fastest recipe that meets the quality bar on "
-                        "held-out calibration prompts, weights rounded by GPTQ (docs/building.md)")
-    p.add_argument("--wide-activations", default="auto",
-                   help="gguf engines: the matrices whose inputs the native kernel takes as wide activations "
-                        "(two int8 rows, ~14 bits) instead of int8: fidelity (the fewest that keep top-1 "
-                        "agreement >= 0.995 with all wide on the calibration prompts), auto (those, where they "
-                        "cost a plain decode step <= 3%% on this machine; else int8), none, all, or families by "
-                        "comma: qkv, o, gate_up, down, lm_head (docs/building.md)")
+    for options in OPTIONS:                  # each backend's own flags (devices/<name>/backend.py)
+        options.add_args(p)
     p.add_argument("--quiet", action="store_true")
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -173,12 +173,12 @@ class EngineFile:
     feature_layers: tuple[int, ...] = ()
     # FP8 engines: the recipe the build chose (runtime/fp8.py Recipe.to_json under "recipe") and
     # how: "chosen_by" ("measured" | "--fp8-recipe"), the quality bar, every candidate measured
-    # (top-1 agreement and KL against fp32 on the calibration prompts; build/fp8_choice.py);
+    # (top-1 agreement and KL against fp32 on the calibration prompts; devices/cuda/fp8_choice.py);
     # None for other formats and manifests written before recipes (per-channel, per-tensor)
     fp8: dict | None = None
     # gguf engines (the native kernel): the matrix families whose inputs are wide activations
     # (two int8 rows per row, ~14 bits; kernels.h act_q.wide): "qkv", "o", "gate_up", "down",
-    # "lm_head"; and how the build chose them (build/wide_choice.py: the measured agreement of each
+    # "lm_head"; and how the build chose them (devices/native/wide.py: the measured agreement of each
     # candidate, the bar), None where no choice was made (other formats, older manifests)
     wide_activations: tuple[str, ...] = ()
     activations: dict | None = None

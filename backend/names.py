@@ -2,7 +2,7 @@
 
 Knows: how such a name behaves (like a str Enum member: one object per name, compared with `is`,
 `.value` is the name, pickles to itself) while staying open, so that whoever adds a device, a
-format or a drafter kind declares its name where it lives (devices/*.py, draft_kinds/*.py) and
+format or a drafter kind declares its name where it lives (devices/<name>/, draft_kinds/*.py) and
 edits nothing here or in the enums' modules. Does not know: which names exist.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """bf16 and every FP8 recipe side by side against fp32 (issue 30): `specdec quality`'s measure
 (backend/bench/quality.py: fp32's greedy continuation of each prompt, then teacher-forced top-1
 agreement and KL(fp32 || format) at every continuation position) for each format, with the engines
-made in memory from one checkpoint (the build's own functions: torch_engine._tensors, calibrate)
+made in memory from one checkpoint (the build's own functions: build/fp8.engine_tensors, build/calibration.calibrate)
 instead of one repository per recipe. FP8 is emulated on a CPU, as `specdec quality` does.
 
     python benchmarks/fp8_recipes.py [--target PATH|PACKAGE] [--diagnose] --json OUT.json
@@ -11,7 +11,7 @@ Every recipe is measured twice: weights rounded to nearest, and by GPTQ on the c
 prompts' Hessians (`<name>+gptq`, build/fp8_gptq.py).
 --diagnose adds where the error comes from: each weight granularity with every input unquantized
 (weights alone; to nearest and by GPTQ), per-token inputs with fp32 weights (inputs alone), and channel-token with its
-worst linears weight-only by the build's per-linear check (build/fp8_choice.py).
+worst linears weight-only by the build's per-linear check (devices/cuda/fp8_choice.py).
 Single-threaded torch: on a shared machine, spinning threads cost more than they give.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.bench import quality  # noqa: E402
 from backend.bench.prompt_sets import default_prompts, load_prompts, prompt_ids  # noqa: E402
-from backend.build import fp8_choice, torch_engine  # noqa: E402
+from backend.build import calibration, fp8 as fp8_math  # noqa: E402
+from backend.devices.cuda import fp8_choice  # noqa: E402
 from backend.build.checkpoint import load_checkpoint  # noqa: E402
 from backend.build.embedded import resolve_target  # noqa: E402
 from backend.manifest import WeightFormat  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> int:
     cfg, n = ck.config, ck.config.num_layers
     tok = _tokenizer(ck, Path(args.json).with_suffix(".tokenizer.json"))
     rt = lambda t, rec=None: fp8_choice._runtime(ck, t, 1024, rec, rows=2)
-    ref_rt = rt(torch_engine._tensors(ck, WeightFormat.FP32, n, None))
+    ref_rt = rt(fp8_math.engine_tensors(ck, WeightFormat.FP32, n, None))
     probe = []
     for p in load_prompts(args.prompts):
         ids = prompt_ids(tok, p["messages"])
@@ -63,14 +64,14 @@ def main() -> int:
         probe.append((np.asarray(full, np.int64), args.max_new_tokens,
                       quality._teacher_forced(ref_rt, full, args.max_new_tokens)))
     ref_rt.close()
-    act = torch_engine.calibrate(ck, torch_engine.calibration_prompts(tok, torch_engine.FP8_CALIBRATION_PROMPTS), 1024,
+    act = calibration.calibrate(ck, calibration.calibration_prompts(tok, calibration.FP8_CALIBRATION_PROMPTS), 1024,
                                  hessians=True)
-    results = {"bf16": _score(rt(torch_engine._tensors(ck, WeightFormat.BF16, n, None)), probe)}
+    results = {"bf16": _score(rt(fp8_math.engine_tensors(ck, WeightFormat.BF16, n, None)), probe)}
     print("bf16", results["bf16"], flush=True)
     recipes = [fp8.recipe(r.strip()) for r in args.recipes.split(",")] if args.recipes else \
         [v for r in fp8.RECIPES for v in (r, r.with_gptq())]            # nearest, then GPTQ rounding
     for rec in recipes:
-        results[rec.label] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
+        results[rec.label] = _score(rt(fp8_math.engine_tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
         print(rec.label, results[rec.label], flush=True)
     out = {"target": args.target or "embedded default", "source": ck.source, "prompts": args.prompts,
            "positions": sum(m for _, m, _ in probe), "bar": fp8_choice.BAR, "results": results,
@@ -105,15 +106,15 @@ def _score(rt, probe) -> dict:
 
 def _diagnose(ck, rt, probe, act) -> dict:
     n = ck.config.num_layers
-    linears = [f"layers.{i}.{k}" for i in range(n) for k in torch_engine.FUSED]
+    linears = [f"layers.{i}.{k}" for i in range(n) for k in fp8_math.FUSED]
     d = {}
     for name, block in GRANULARITIES.items():           # weights alone, to nearest and by GPTQ
         for gptq in (False, True):
             rec = fp8.Recipe("weights", block, "token", gptq=gptq).with_weight_only(linears)
             key = f"weights alone, {name}" + (", GPTQ" if gptq else "")
-            d[key] = _score(rt(torch_engine._tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
+            d[key] = _score(rt(fp8_math.engine_tensors(ck, WeightFormat.FP8, n, act, rec), rec), probe)
             print(key, d[key], flush=True)
-    inputs = rt(torch_engine._tensors(ck, WeightFormat.FP32, n, None))     # inputs alone, per token
+    inputs = rt(fp8_math.engine_tensors(ck, WeightFormat.FP32, n, None))     # inputs alone, per token
     for name, lin in inputs.model.linears().items():
         lin.qin, lin.recipe, lin.act_scale = True, fp8.recipe("channel-token"), act.get(f"{name}.act_scale")
     d["inputs alone, per token"] = _score(inputs, probe)
@@ -125,7 +126,7 @@ def _diagnose(ck, rt, probe, act) -> dict:
     d["per-linear input error, range"] = [round(min(errors.values()), 4), round(max(errors.values()), 4)]
     for k in (len(linears) // 8, len(linears) // 4):
         r = rec.with_weight_only(worst[:k])
-        tensors = torch_engine._tensors(ck, WeightFormat.FP8, n, act, r)
+        tensors = fp8_math.engine_tensors(ck, WeightFormat.FP8, n, act, r)
         d[f"channel-token, worst {k} weight-only"] = _score(rt(tensors, r), probe)
     return d
 

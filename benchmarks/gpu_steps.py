@@ -62,7 +62,7 @@ def sync(device: str) -> None:
 
 
 def random_tensors(cfg: ModelConfig, fmt: str, device: str, recipe: fp8.Recipe | None = None, seed: int = 0) -> dict:
-    """Random weights of a Llama shape in the engine layout (build/torch_engine.py); FP8 by
+    """Random weights of a Llama shape in the engine layout (devices/cuda/export.py); FP8 by
     `recipe` (fused linears quantized once, as the build writes them)."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, d = cfg.hidden_size, cfg.head_dim

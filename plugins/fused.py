@@ -266,7 +266,7 @@ def embed(table, ids, scale=None):
 
 def signatures(kv_dtype: str = "bf16", head_dim: int = 128, **_) -> dict:
     """Kernel name -> (jit function, signature, constexprs) of the fused kernels as the GPU
-    runtime launches them (a Llama-3-8B shape; kernels.compile_ptx compiles them)."""
+    runtime launches them (a Llama-3-8B shape; ptx.compile_ptx compiles them)."""
     dt = kv_dtype
     i32 = lambda *names: {n: "i32" for n in names}
     norm = {"x_ptr": f"*{dt}", "h_ptr": f"*{dt}", "hb_ptr": f"*{dt}", "pw_ptr": f"*{dt}", "w_ptr": f"*{dt}",

@@ -770,22 +770,6 @@ def signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, w_fp
     }
 
 
-def compile_ptx(name: str, arch: int = 90, **variant) -> tuple[str, str]:
-    """PTX of one kernel for sm_<arch>, compiled on this machine (an explicit target needs no
-    GPU) -> (ptx text, kernel symbol name). Not in an interpreted process: its kernels are
-    interpreter functions (run it in a process without TRITON_INTERPRET)."""
-    assert not interpreted(), "compile_ptx needs a process without TRITON_INTERPRET=1"
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from plugins import fused
-
-    fn, sig, consts = {**signatures(**variant), **fused.signatures(**variant)}[name]
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32))
-    return compiled.asm["ptx"], compiled.metadata.name
-
-
 def plugin_signatures(kv_dtype: str = "fp32", head_dim: int = 128, group: int = 4, num_kv_heads: int = 8,
                       scale: float = 1.0, window: int = 0, softcap: float = 0.0) -> dict:
     """Plugin name -> (jit function, signature, constexprs) of the TensorRT plugins' kernels

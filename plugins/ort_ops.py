@@ -1,6 +1,6 @@
 """The engine graph's `specdec::` ops for ONNX Runtime's CPU provider, implemented by the numpy
 references (onnxruntime-extensions Python custom ops), so the graph TensorRT builds can be run
-and checked on a CPU. Import this module, then `session_options()` for a session that has them.
+and checked on a CPU. Import this module, then `register(options)` for a session that has them.
 Knows: the op contracts of plugins/reference.py. Does not know: TensorRT.
 """
 from __future__ import annotations
@@ -36,10 +36,7 @@ def rejection_sample(logits, tokens, parents, temperature, top_k, top_p, min_p, 
     return nodes.astype(np.int32), out.astype(np.int64), num.astype(np.int32)
 
 
-def session_options(threads: int = 1):
-    """The CPU runtime's session options (its thread pool) with these ops registered."""
-    from backend.runtime.ort import session_options as cpu_options
-
-    so = cpu_options(threads, spinning=False)
+def register(so):
+    """Session options `so` (the caller's: runtime/ort.session_options) with these ops registered."""
     so.register_custom_ops_library(get_library_path())
     return so

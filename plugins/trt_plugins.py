@@ -13,7 +13,7 @@ stored in an AOT engine: scale, the sliding window (the layer's; 0: none), the s
 (Gemma-2's; 0: none) and the head counts are compiled into the PTX as constants. The ONNX
 parser finds a plugin by the node's op type and its `plugin_namespace` attribute ("specdec"),
 passes only the declared attributes (as int32 / float32), and `aot` = 1 asks for this
-implementation; this module must be imported before parsing (build/trt_engine.py does).
+implementation; this module must be imported before parsing (devices/tensorrt/export.py does).
 Knows: TensorRT's plugin API, the kernels' signatures. Does not know: graphs, runtimes.
 """
 # No `from __future__ import annotations`: TensorRT reads these functions' annotations as classes.

@@ -171,7 +171,7 @@ def random_head(manifest, out: Path, vocab_size: int, seed: int = 0, **shape) ->
     import torch
 
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
     from backend.train.eagle_model import EagleHead
     from backend.train.eagle_train import save_head
 
@@ -406,7 +406,7 @@ def eagle_head_reference(m, head_dir, t: int, rope_layer=None) -> tuple:
     import torch
 
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
     from backend.build.heads.eagle import head_checkpoint
     from backend.train.eagle_model import EagleHead, causal_mask
     from backend.train.eagle_train import load_head
@@ -496,14 +496,15 @@ def tiny_native_engine(tmp_path_factory):
     forward's logits. run(threads): on that many threads whatever else runs (the thread governor
     off); None: the runtime's own choice."""
     from backend.build.pipeline import BuildConfig, build
-    from backend.manifest import WeightFormat
     from backend.devices import load_runtime
+    from backend.devices.native import NativeOptions
+    from backend.manifest import WeightFormat
     from backend.tree import TokenTree
 
     d = tmp_path_factory.mktemp("amx")
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=7)
     manifest = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, weights=(WeightFormat.GGUF,),
-                                 measure_costs=False, extra={"wide_activations": "qkv,lm_head"}))
+                                 measure_costs=False, options=(NativeOptions("qkv,lm_head"),)))
     tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 200, 37), rng.integers(3, 200, 21)]

@@ -141,7 +141,7 @@ def test_the_capped_kernels_compile_to_ptx_for_sm90():
     than without) and the runtime's (the cap a scalar), in a process without the interpreter;
     the plugin still takes exactly TensorRT's 13 parameters."""
     pytest.importorskip("triton")
-    code = ("import sys; from plugins.kernels import compile_plugin, compile_ptx\n"
+    code = ("import sys; from plugins.kernels import compile_plugin; from plugins.ptx import compile_ptx\n"
             "kw = dict(kv_dtype='bf16', head_dim=32, group=2, num_kv_heads=2, scale=0.2, window=6)\n"
             "ptx, sym, shared = compile_plugin('tree_attention', 90, softcap=2.0, **kw)\n"
             "plain = compile_plugin('tree_attention', 90, **kw)[0]\n"
@@ -203,7 +203,7 @@ def test_torch_model_matches_transformers(capped):
 def test_engine_graph_matches_transformers_and_the_standard_graph(capped, tmp_path):
     """The TensorRT engine graph (the cap as each tree_attention node's `softcap`) on ONNX
     Runtime with the reference ops: transformers' logits within 1e-4, and the standard graph's
-    on prefill chains, steps, trees and a padded batch (plugins/engine_check)."""
+    on prefill chains, steps, trees and a padded batch (bench/engine_check)."""
     pytest.importorskip("onnxruntime_extensions")
     import onnx
 
@@ -211,7 +211,7 @@ def test_engine_graph_matches_transformers_and_the_standard_graph(capped, tmp_pa
     from backend.build.graph import GraphSpec, build_decoder, save_model
     from backend.config import RuntimeOptions
     from backend.runtime.engine_rt import EngineRuntime, OrtExecutor
-    from plugins import engine_check
+    from backend.bench import engine_check
 
     _, ckpt, hf, _ = capped
     ck = load_checkpoint(ckpt)

@@ -10,7 +10,7 @@ pytest.importorskip("onnxruntime_extensions")
 
 from backend.build.graph import GraphSpec, build_decoder  # noqa: E402
 from backend.manifest import WeightFormat  # noqa: E402
-from plugins import engine_check  # noqa: E402
+from backend.bench import engine_check  # noqa: E402
 from conftest import make_tiny_checkpoint  # noqa: E402
 
 

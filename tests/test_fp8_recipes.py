@@ -139,7 +139,7 @@ def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
     where the calibration holds Hessians."""
     from types import SimpleNamespace
 
-    from backend.build import fp8_choice
+    from backend.devices.cuda import fp8_choice
 
     ck = SimpleNamespace(config=SimpleNamespace(num_layers=8))
     linears = [f"layers.{i}.{k}" for i in range(8) for k in ("qkv", "o", "gate_up", "down")]
@@ -179,6 +179,7 @@ def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
 def built(tmp_path_factory):
     """A tiny target with FP8 chosen by the build (cuda), and block128+gptq forced on both devices."""
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices.cuda import Fp8Options
     from backend.manifest import Device, WeightFormat
 
     d = tmp_path_factory.mktemp("fp8")
@@ -186,10 +187,10 @@ def built(tmp_path_factory):
     kw = dict(target=str(ckpt), quiet=True, weights=(WeightFormat.FP32, WeightFormat.FP8), measure_costs=False,
               check_invariance=False)
     auto = build(BuildConfig(output=d / "auto", device=Device.CUDA, **kw))
-    cuda = build(BuildConfig(output=d / "cuda", device=Device.CUDA, extra={"fp8_recipe": "block128+gptq"}, **kw))
+    cuda = build(BuildConfig(output=d / "cuda", device=Device.CUDA, options=(Fp8Options("block128+gptq"),), **kw))
     env = device_env("tensorrt")
     try:
-        trt = build(BuildConfig(output=d / "trt", device=Device.TENSORRT, extra={"fp8_recipe": "block128+gptq"}, **kw))
+        trt = build(BuildConfig(output=d / "trt", device=Device.TENSORRT, options=(Fp8Options("block128+gptq"),), **kw))
     finally:
         env.undo()
     return auto, cuda, trt
@@ -225,19 +226,20 @@ def test_an_engine_file_of_before_recipes_still_loads(built, tmp_path):
     recipe, the same logits as the file written today with that recipe."""
     from safetensors.torch import load_file, save_file
 
-    from backend.build import torch_engine
+    from backend.build import calibration, fp8 as fp8_math
+    from backend.devices.cuda import export as torch_engine
     from backend.build.checkpoint import load_checkpoint
     from backend.manifest import WeightFormat
     from backend.runtime.torch_rt import TorchRuntime
 
     m = built[0]
     ck = load_checkpoint(m.source)
-    act = torch_engine.calibrate(ck, [list(range(3, 40))], 64)
+    act = calibration.calibrate(ck, [list(range(3, 40))], 64)
     new = torch_engine.export(ck, WeightFormat.FP8, 2, tmp_path, "new", act, fp8.LEGACY)
     t = load_file(str(tmp_path / new.path))
     legacy = {k: v for k, v in t.items() if not k.endswith(".w_scale")}
     for i in range(2):
-        for key, names in torch_engine.FUSED.items():
+        for key, names in fp8_math.FUSED.items():
             rows = [t[f"layers.{i}.{n}"].shape[0] for n in names]
             legacy.update({f"layers.{i}.{n}.scale": s.reshape(-1) for n, s in
                            zip(names, t[f"layers.{i}.{key}.w_scale"].split(rows))})
@@ -261,7 +263,7 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
     from safetensors.torch import load_file
 
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.torch_engine import FUSED
+    from backend.build.fp8 import FUSED
     from backend.devices import load_runtime
 
     _, cuda, trt = built
@@ -314,7 +316,7 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
 def test_calibration_prompts_of_a_base_model_are_plain_text():
     """A model without a chat template (Gemma-3-270M) is calibrated on the prompts' text with its
     special tokens, as its benchmark prompts are made (it used to fail the FP8 build)."""
-    from backend.build.torch_engine import calibration_prompts
+    from backend.build.calibration import calibration_prompts
 
     class Plain:
         chat_template = None

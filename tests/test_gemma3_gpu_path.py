@@ -144,7 +144,7 @@ def test_the_windowed_kernels_compile_to_ptx_for_sm90():
     """The plugin's kernel with a window compiled in (a static branch) and the runtime's kernel
     (the window a scalar), in a process without the interpreter; the plugin still takes
     exactly TensorRT's 13 parameters."""
-    code = ("import sys; from plugins.kernels import compile_plugin, compile_ptx\n"
+    code = ("import sys; from plugins.kernels import compile_plugin; from plugins.ptx import compile_ptx\n"
             "ptx, sym, shared = compile_plugin('tree_attention', 90, kv_dtype='bf16', head_dim=32, group=2,"
             " num_kv_heads=2, scale=0.2, window=6)\n"
             "entry = ptx[ptx.index('.entry ' + sym):]\n"
@@ -266,7 +266,7 @@ def test_engine_graph_equals_the_standard_graph_with_windows(gemma_ckpt):
 
     from backend.build.checkpoint import load_checkpoint
     from backend.build.graph import GraphSpec, build_decoder
-    from plugins import engine_check
+    from backend.bench import engine_check
 
     ck = load_checkpoint(gemma_ckpt[1])
     model = build_decoder(ck, GraphSpec(WeightFormat.FP32, ck.config.num_layers, 64, plugins=True))
@@ -308,7 +308,7 @@ def test_final_logit_softcap_on_the_torch_model_and_the_engine_graph(gemma_ckpt,
     """A Gemma-3 checkpoint with final_logit_softcapping (transformers applies it; the cap is
     small enough to bend this random model's logits): the torch runtime and the engine graph
     (on ONNX Runtime with the reference ops) give transformers' logits."""
-    from backend.build import torch_engine
+    from backend.devices.cuda import export as torch_engine
     from backend.build.checkpoint import load_checkpoint
     from backend.build.graph import GraphSpec, build_decoder, save_model
     from backend.config import RuntimeOptions

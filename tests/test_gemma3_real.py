@@ -36,12 +36,13 @@ def gemma_gguf():
 @pytest.fixture(scope="module")
 def repo(gemma_gguf, tmp_path_factory):
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
 
     out = tmp_path_factory.mktemp("gemma3_repo")
     m = build(BuildConfig(target=str(gemma_gguf), output=out, quiet=True, measure_costs=False,
                           weights=(WeightFormat.GGUF, WeightFormat.FP32), drafts=("self:3",),
-                          extra={"wide_activations": "fidelity"}))
+                          options=(NativeOptions("fidelity"),)))
     return m, out
 
 
@@ -72,7 +73,7 @@ def test_logits_match_transformers(repo, gemma_gguf, texts):
     (the file's blocks as they are, wide activations where the build's fidelity measure chose
     them: `--wide-activations fidelity`) agrees with it on the top token at >= 0.99 of the
     positions (issue 26). With int8 activations alone it agreed 0.978 (perf-notes §17, printed
-    beside it): the build measures that and widens the matrices it must (build/wide_choice.py);
+    beside it): the build measures that and widens the matrices it must (devices/native/wide.py);
     the default (`auto`) then prices them and keeps int8 where they cost a plain step > 3%."""
     m, _ = repo
     wide = m.engine("gguf").wide_activations

@@ -105,7 +105,7 @@ def _compiles(name, plugin=False, **variant):
     kernel must also fit the 48 KB of shared memory a kernel gets without opting in, and take
     exactly the parameters TensorRT passes (inputs, scalars, outputs: 9 + 3 + 1 and 9 + 3 + 3;
     no hidden Triton scratch pointers)."""
-    code = ("import sys; from plugins.kernels import compile_ptx, compile_plugin\n"
+    code = ("import sys; from plugins.kernels import compile_plugin; from plugins.ptx import compile_ptx\n"
             + (f"ptx, sym, shared = compile_plugin({name!r}, 90, **{variant!r})\n" if plugin else
                f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r}); shared = 0\n")
             + "entry = ptx[ptx.index('.entry ' + sym):]\n"
@@ -238,7 +238,7 @@ def _runtime_on_random_weights(dtype, invariant: bool, recipe=None):
                   f"layers.{i}.o": rnd(64, 64), f"layers.{i}.gate": rnd(96, 64), f"layers.{i}.up": rnd(96, 64),
                   f"layers.{i}.down": rnd(64, 96)})
     if recipe is not None:
-        from backend.build.torch_engine import FUSED
+        from backend.build.fp8 import FUSED
         from backend.runtime import fp8
 
         for i in range(2):
@@ -288,7 +288,7 @@ def test_weight_only_fp8_linears_run_the_w8_kernel_with_the_bits_of_their_dequan
     the linears read their FP8 codes through kernels.linear_w8 (their bf16 weights are never
     made), and the logits are, bit for bit, those of the same linears through kernels.linear
     on the dequantized weights."""
-    from backend.build.torch_engine import FUSED
+    from backend.build.fp8 import FUSED
     from backend.runtime import fp8
 
     rec = fp8.recipe(name).with_weight_only([f"layers.{i}.{k}" for i in range(2) for k in FUSED])

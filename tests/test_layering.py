@@ -1,7 +1,10 @@
-"""The import layering (issue 25, point 1): the runtimes never reach the build wing (engine-file
-formats both use live in backend/engine_format.py), nothing imports the CLI, and only the tools
-(cli, bench) and serve itself import serve/. Every import counts, module level or inside a
-function, followed transitively."""
+"""The import layering (issue 25, point 1; issue 43, point 1): the runtimes never reach the build
+wing (engine-file formats both use live in backend/engine_format.py), nothing imports the CLI,
+only the tools (cli, bench) and serve itself import serve/, the build reaches a device only
+through the registry, the kernels (plugins/) import only the core below them, and no file-level
+import circle exists anywhere in backend/ or plugins/. Every import counts, module level or
+inside a function, followed transitively; a module importing its own package is not an edge
+(the package's __init__ is already running)."""
 from __future__ import annotations
 
 import ast
@@ -16,7 +19,7 @@ def module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for p in (ROOT / "backend").rglob("*.py")}
+    files = {module_name(p): p for d in ("backend", "plugins") for p in (ROOT / d).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
         targets = set()
@@ -29,8 +32,9 @@ def import_graph() -> dict[str, set[str]]:
             for name in names:
                 parts = name.split(".")
                 for i in range(2, len(parts) + 1):            # a package's __init__ runs too
-                    if ".".join(parts[:i]) in files:
-                        targets.add(".".join(parts[:i]))
+                    name = ".".join(parts[:i])
+                    if name in files and not (mod + ".").startswith(name + "."):   # not its own package
+                        targets.add(name)
         graph[mod] = targets - {mod}
     return graph
 
@@ -82,6 +86,77 @@ def test_the_serving_wings_never_reach_the_build_or_the_device_seam():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in graph:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                group = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    group.append(w)
+                    if w == v:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+    return out
+
+
+def test_no_file_level_import_circle_anywhere():
+    g = import_graph()
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]    # the finder finds one
+    assert circles(g) == []
+
+
+def test_the_build_reaches_a_device_only_through_the_registry():
+    """build/ keeps what every device shares; a device's exporter and choices live in its folder
+    (devices/<name>/), and the build's orchestration (pipeline) and its measurements of the built
+    engines (check, costs: load_runtime) name the registry, never a device's folder."""
+    g = import_graph()
+    into_devices = {m: sorted(t for t in ts if within(t, "backend.devices"))
+                    for m, ts in g.items() if within(m, "backend.build")}
+    into_devices = {m: t for m, t in into_devices.items() if t}
+    assert all(t == ["backend.devices"] for t in into_devices.values()), into_devices
+    assert set(into_devices) <= {"backend.build.pipeline", "backend.build.check", "backend.build.costs"}
+
+
+def test_the_kernels_import_only_the_core_below_them():
+    """plugins/ (kernels, their references, the ONNX Runtime stand-ins) may use the core types
+    (config, tree, verify, sampling, kv_cache, manifest, engine_format) but no wing above them."""
+    g = import_graph()
+    upper = ("backend.runtime", "backend.build", "backend.devices", "backend.draft_kinds", "backend.drafters",
+             "backend.controller", "backend.serve", "backend.bench", "backend.train", "backend.engine",
+             "backend.decoder", "backend.cli", "backend.triton_glue")
+    bad = {m: sorted(t for t in ts if within(t, *upper)) for m, ts in g.items() if within(m, "plugins")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
 def test_every_device_is_one_backend_in_the_registry():
     from backend.devices import BACKENDS, DEVICES, FORMATS, backend_for, formats
     from backend.manifest import Device
@@ -105,27 +180,36 @@ def test_a_backend_missing_part_of_the_contract_cannot_be_made():
 
 
 def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
-    """Adding a device needs no edit to the manifest, the build or the loader: a toy backend
-    (device "toy", format "toy32": ONNX fp32 graphs under new names) registered in BACKENDS builds
-    a target and a self-draft, writes and re-reads its manifest, loads through load_runtime and
-    decodes greedily like the fp32 engine it wraps; an unknown device is refused naming the known."""
-    from dataclasses import replace
+    """Adding a device needs no edit to the manifest, the build, the CLI or the loader: a toy
+    backend (device "toy", format "toy32": ONNX fp32 graphs under new names) with a build option of
+    its own, registered in BACKENDS, builds a target and a self-draft, writes and re-reads its
+    manifest, loads through load_runtime and decodes greedily like the fp32 engine it wraps; its
+    option reaches its exporter typed and is a `specdec build` flag; an unknown device is refused
+    naming the known."""
+    import argparse
+    from dataclasses import dataclass, field, replace
 
     import pytest
 
     from backend import devices
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices import BuildOptions
     from backend.devices.onnx import OrtBackend, export_graph
     from backend.manifest import Device, DraftEntry, EngineManifest, WeightFormat
     from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
 
     toy32 = WeightFormat("toy32")
 
+    @dataclass(frozen=True)
+    class ToyOptions(BuildOptions):
+        toy_stem: str = field(default="target", metadata={"help": "the toy target file's stem"})
+
     class ToyBackend(OrtBackend):
-        name, device, formats, defaults = "toy", Device("toy"), (toy32,), (toy32,)
+        name, device, formats, defaults, options = "toy", Device("toy"), (toy32,), (toy32,), ToyOptions
 
         def export_targets(self, ctx, formats):
-            ef = export_graph(ctx.ck, WeightFormat.FP32, ctx.ck.config.num_layers, ctx, "target_toy32", ctx.features)
+            stem = ctx.option(ToyOptions).toy_stem
+            ef = export_graph(ctx.ck, WeightFormat.FP32, ctx.ck.config.num_layers, ctx, f"{stem}_toy32", ctx.features)
             return {toy32.value: replace(ef, weights=toy32)}, {toy32.value: 0.0}
 
         def export_layers(self, ctx, n, serving):
@@ -134,10 +218,14 @@ def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(devices, "BACKENDS", devices.BACKENDS + (ToyBackend(),))
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    ToyOptions.add_args(parser)
+    given = ToyOptions.from_args(parser.parse_args(["--toy-stem", "mine"]))
     built = build(BuildConfig(target=str(ckpt), output=tmp_path / "toy", device=Device("toy"), quiet=True,
-                              measure_costs=False, drafts=("self:1",)))
+                              measure_costs=False, drafts=("self:1",), options=(given,)))
     m = EngineManifest.load(built.root)
     assert m.device is Device("toy") and m.default_format is toy32 and set(m.drafts) == {"self1"}
+    assert m.engines["toy32"].path == "mine_toy32.onnx"
     assert_greedy_identity(spec_decoder(m, "toy32", num_draft_tokens=3), "draft-model")   # self:1
     with pytest.raises(ValueError, match=r"device 'npu' has no backend in this install \(devices: cpu, cuda, tensorrt, toy\)"):
         devices.backend_for(Device("npu"), "fp32")

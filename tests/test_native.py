@@ -23,7 +23,7 @@ def _random_blocks(kind, n, k, rng):
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_blocked_matmul_matches_reference_and_rows_are_independent(kind):
-    from backend.build.native_engine import repack
+    from backend.devices.native.export import repack
     from plugins.reference import blocked_matmul_ref
 
     rng = np.random.default_rng(1)
@@ -110,8 +110,6 @@ def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):
 def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_path):
     """With gguf serving, the build puts the EAGLE head on the native kernel too (Q8_0 blocks,
     int8 activations): its draft-vocabulary argmax agrees with the float ONNX head's."""
-    from dataclasses import replace
-
     from backend.build.checkpoint import load_checkpoint
     from backend.build.heads.eagle import export_eagle_head
     from backend.devices import load_runtime
@@ -120,8 +118,8 @@ def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_p
     m, ckpt, _ = tiny
     d = m.drafts["eagle"]
     assert d.weights == "gguf" and d.path.endswith(".bin")
-    path, _ = export_eagle_head(Path(d.source), load_checkpoint(ckpt), tmp_path, m.max_seq_len)
-    cfg = replace(m.model, vocab_size=d.draft_vocab_size, num_layers=1)
+    path, _, cfg = export_eagle_head(Path(d.source), load_checkpoint(ckpt), tmp_path, m.max_seq_len)
+    assert d.model == cfg and cfg.vocab_size == d.draft_vocab_size    # the build recorded the head's shape
     rng = np.random.default_rng(2)
     t = 17
     toks = rng.integers(3, m.model.vocab_size, (1, t))

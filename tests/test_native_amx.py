@@ -15,7 +15,7 @@ if not native.compiled():
 
 from test_native_blocks import TYPES, _tensor  # noqa: E402
 
-from backend.build.native_blocks import matrix  # noqa: E402
+from backend.devices.native.blocks import matrix  # noqa: E402
 
 HAS_TILES = native.use_tiles(True) == "amx"
 needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="this CPU/OS gives no AMX tiles: the tile path is "

@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 native = pytest.importorskip("backend.runtime.native")
 
 from backend.build.checkpoint import SourceTensor  # noqa: E402
-from backend.build.native_blocks import kind_of, matrix  # noqa: E402
+from backend.devices.native.blocks import kind_of, matrix  # noqa: E402
 from backend.engine_format import BLOCK_BYTES, BLOCK_ELEMS, KINDS, LANES  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]

@@ -199,6 +199,6 @@ def test_rope_kv_reduces_a_split_qkv_linears_partials_with_the_reductions_bits(b
                                           ("rope_kv_split", dict(kv_dtype="bf16"))],
                          ids=["bf16", "w8a16", "reduce", "add_rmsnorm", "rope_kv"])
 def test_the_split_kernels_compile_to_ptx_for_sm90(name, variant):
-    assert_compiles("import sys; from plugins.kernels import compile_ptx\n"
+    assert_compiles("import sys; from plugins.ptx import compile_ptx\n"
                     f"ptx, sym = compile_ptx({name!r}, 90, **{variant!r})\n"
                     "sys.exit(0 if '.target sm_90' in ptx and ('.entry ' + sym) in ptx else 3)")

@@ -73,7 +73,7 @@ def test_stored_features_give_the_targets_distribution(trained):
 def test_validation_curve_selects_the_written_head(trained):
     from backend.train.eagle_train import _load_shards, load_head, validate
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
     from backend.train.eagle_model import EagleHead
 
     m, head_dir, cfg = trained
@@ -128,7 +128,7 @@ def trained3(tmp_path_factory):
 
 def test_an_eagle3_head_trains_on_three_layers_and_is_written_in_the_reference_layout(trained3):
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
     from backend.build.heads.formats import layout, read_head
     from backend.train.eagle_model import Eagle3Head
     from backend.train.eagle_train import _load_shards, validate

@@ -19,6 +19,7 @@ pytest.importorskip("onnxruntime_extensions")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from backend.devices.cuda import Fp8Options  # noqa: E402
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
 from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
@@ -38,7 +39,7 @@ def tiny(tmp_path_factory):
 def test_without_tensorrt_the_build_writes_engine_ready_onnx_and_says_what_is_missing(tmp_path, capsys):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1)
     m = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", device=Device.TENSORRT,
-                          weights=(WeightFormat.FP8,), drafts=("self:1",), extra={"fp8_recipe": "channel-tensor"}))
+                          weights=(WeightFormat.FP8,), drafts=("self:1",), options=(Fp8Options("channel-tensor"),)))
     err = capsys.readouterr().err
     missing = [line for line in err.splitlines() if "no TensorRT engine built" in line]
     assert len(missing) == 1 and ("not installed" in missing[0] or "without the builder" in missing[0]), err
@@ -205,7 +206,7 @@ print("RESULT " + json.dumps(res))
     assert res["verify_aot"] == ["verify_plugin_kernel", True, True, 3]
     from backend.build.engine_graph import PLUGIN_ATTRS
     from backend.build.graph import GraphSpec, build_decoder
-    from plugins import engine_check
+    from backend.bench import engine_check
 
     ck = engine_check.random_checkpoint()
     model = build_decoder(ck, GraphSpec(WeightFormat.FP32, ck.config.num_layers, 64, plugins=True))
@@ -229,7 +230,7 @@ def test_fp8_drafts_get_the_same_treatment(tiny, tmp_path):
     head = m.drafts["eagle"].source
     m8 = build(BuildConfig(target=str(ckpt), output=tmp_path / "repo", device=Device.TENSORRT, quiet=True,
                            weights=(WeightFormat.FP8,), drafts=("self:1", f"eagle:{head}"),
-                           measure_costs=False, check_invariance=False, extra={"fp8_recipe": "channel-tensor"}))
+                           measure_costs=False, check_invariance=False, options=(Fp8Options("channel-tensor"),)))
     scales = {}
     for name in ("self1", "eagle"):
         model = onnx.load(str(m8.resolve(m8.drafts[name].path)))

@@ -1,4 +1,4 @@
-"""Wide activations on the native kernel (kernels.h act_q.wide; build/wide_choice.py): the build's
+"""Wide activations on the native kernel (kernels.h act_q.wide; devices/native/wide.py): the build's
 choice by measured agreement, what it writes into the manifest, and that an engine with wide
 matrices is the same exact, batch-invariant engine to every drafter. The kernel's arithmetic
 against GGUF's dequantization is in test_native_blocks.py."""
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backend.build import wide_choice
-from backend.build.pipeline import BuildConfig, BuildError, build
+from backend.build.pipeline import BuildConfig, build
+from backend.devices.native import NativeOptions, wide as wide_choice
+from backend.errors import UserError
 from backend.manifest import WeightFormat
 from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
 from test_cli_errors import assert_one_line, specdec
@@ -91,9 +92,8 @@ def test_the_flag_s_forms_and_a_bad_one_refused_before_anything_is_read(tmp_path
     assert wide_choice.parse("auto") is None and wide_choice.parse("none") == ()
     assert wide_choice.parse("all") == tuple(native.WIDE_FAMILIES)
     assert wide_choice.parse("lm_head, qkv") == ("lm_head", "qkv")
-    with pytest.raises(BuildError, match="--wide-activations.*'mlp'"):
-        build(BuildConfig(target=str(tmp_path / "missing.gguf"), output=tmp_path / "r", quiet=True,
-                          extra={"wide_activations": "qkv,mlp"}))
+    with pytest.raises(UserError, match="--wide-activations.*'mlp'"):      # the option refuses it when made
+        NativeOptions("qkv,mlp")
     r = specdec("build", "--wide-activations", "mlp", "--output", str(tmp_path / "r"), cwd=tmp_path)
     assert_one_line(r, "build", "--wide-activations", "mlp", "lm_head")
 
@@ -103,7 +103,7 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide")
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=4)
     named = build(BuildConfig(target=str(ckpt), output=d / "named", quiet=True, weights=(WeightFormat.GGUF,),
-                              drafts=("self:1",), measure_costs=False, extra={"wide_activations": "qkv,lm_head"}))
+                              drafts=("self:1",), measure_costs=False, options=(NativeOptions("qkv,lm_head"),)))
     measured = build(BuildConfig(target=str(ckpt), output=d / "auto", quiet=True, weights=(WeightFormat.GGUF,),
                                  measure_costs=False, check_invariance=False))
     return named, measured

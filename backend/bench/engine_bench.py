@@ -170,10 +170,10 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     """The gguf engine under every (matmul path, wide families) setting alternated in one process:
     paths from `isas` ("amx" tiles, the build's vector path "avx512", or "default": tiles where the
     CPU has them; runtime/native.use_tiles),
-    wide families from `wides` (wide_choice.parse's forms, or "built": the manifest's own). Each
+    wide families from `wides` (devices/native/wide.parse's forms, or "built": the manifest's own). Each
     rep runs the settings in rotated order; medians over reps. Ratios: each setting against the
     first (the baseline), forward costs against T = 1 of the same setting."""
-    from backend.build import wide_choice
+    from backend.devices.native import wide as wide_choice
     from backend.devices import load_runtime
     from backend.runtime import native
 

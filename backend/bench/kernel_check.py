@@ -120,14 +120,14 @@ def check_verify(dev: str, rng, quick: bool = False) -> dict:
 
 def check_engine_graph() -> dict:
     """The TensorRT engine graph on ONNX Runtime's CPU provider (its specdec:: ops by the
-    references) against the standard CPU graph (plugins/engine_check.py)."""
+    references) against the standard CPU graph (bench/engine_check.py)."""
     import importlib.util
 
     missing = [m for m in ("onnxruntime", "onnxruntime_extensions") if importlib.util.find_spec(m) is None]
     if missing:                              # the `engine` extra; a GPU image may lack it (no ORT there)
         return {"name": "engine_graph", "cases": 0, "max_abs_err": float("nan"), "ok": False,
                 "skipped": f"no module {', '.join(missing)} (the `engine` extra) on this machine"}
-    from plugins import engine_check
+    from backend.bench import engine_check
 
     r = engine_check.compare()
     return {"name": "engine_graph", "cases": r["cases"], "max_abs_err": r["max_abs_err"],

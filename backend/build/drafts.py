@@ -74,9 +74,10 @@ def head_dir(spec: str) -> Path:
     return Path(spec.split(":", 1)[1]).resolve()
 
 
-def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray,
+def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray, model: ModelConfig,
                 weights: str | None = None) -> DraftEntry:
-    """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved."""
+    """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved;
+    `model`: the head's description (build/heads/eagle.head_config), which loading reads."""
     from backend.build.heads.formats import head_meta, read_head
 
     cfg, w = read_head(head)
@@ -86,7 +87,7 @@ def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarra
         np.save(Path(engine_dir) / EAGLE3_FC, np.asarray(w["fc"], np.float32))
         fc = EAGLE3_FC
     return DraftEntry("eagle", engine_file, 1, str(head), weights=weights, head=head_meta(head, cfg),
-                      vocab_path=EAGLE_VOCAB, fc_path=fc)
+                      vocab_path=EAGLE_VOCAB, fc_path=fc, model=model)
 
 
 def eagle3_fc(head: Path, target: EngineFile) -> tuple[np.ndarray | None, tuple[int, ...]]:

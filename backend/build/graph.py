@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from backend.build import quant
 from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
-from backend.engine_format import rope_tables  # noqa: F401 (re-exported)
+from backend.engine_format import rope_tables
 from backend.manifest import ModelConfig, WeightFormat
 
 OPSET = 17
@@ -104,7 +104,7 @@ class _Linear:
     FP8 (the engine graph): a layer's linears by the build's FP8 recipe (runtime/fp8.py, written
     by fp8_graph.py): float8 E4M3 weights with their block scales, the input quantized per
     tensor with its calibrated scale ("layers.<i>.<qkv|o|gate_up|down>.act_scale",
-    build/torch_engine.calibrate) as the QuantizeLinear / DequantizeLinear pairs TensorRT fuses
+    build/calibration.calibrate) as the QuantizeLinear / DequantizeLinear pairs TensorRT fuses
     into FP8 GEMMs, or per token / per group as the recipe says; the recipe's weight-only
     linears (and, in the legacy recipe, an input without a scale) keep their input in float."""
 
@@ -184,7 +184,7 @@ def _cat(parts):
 def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None,
                   fp8_recipe=None) -> onnx.ModelProto:
     """act_scales, fp8_recipe: for WeightFormat.FP8, the static recipe's input scales
-    (build/torch_engine.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one).
+    (build/calibration.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one).
     The steps in the order they write the graph (node names count up, so the order is the graph)."""
     assert spec.weights is not WeightFormat.FP8 or spec.plugins, "FP8 is a format of the engine graph"
     dec = _Decoder(ckpt, spec, act_scales, fp8_recipe)      # inputs and outputs declared

@@ -10,10 +10,10 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backend.build import checkpoint as ckpt_mod, wide_choice
+from backend.build import checkpoint as ckpt_mod
 from backend.build.templates import fill_repository
 from backend.errors import UserError
 from backend import devices, draft_kinds
@@ -40,8 +40,10 @@ class BuildConfig:
     check_invariance: bool = True
     measure_costs: bool = True
     quiet: bool = False
-    extra: dict = field(default_factory=dict)   # remote_draft(_kind), default_drafter, fp8_recipe,
-                                                # wide_activations (build/wide_choice.parse's forms)
+    options: tuple[devices.BuildOptions, ...] = ()   # the backends' own (devices.OPTIONS); defaults otherwise
+    default_drafter: str = "auto"            # the served repository's config.pbtxt
+    remote_draft: str = ""
+    remote_draft_kind: str = "draft-model"
 
 
 def _tool_versions() -> dict[str, str]:
@@ -68,10 +70,6 @@ def build(cfg: BuildConfig) -> EngineManifest:
     for w, b in zip(cfg.weights, owners):
         if b.missing():
             raise BuildError(f"--weights {w.value} {b.missing()}")
-    try:
-        wide = wide_choice.parse(cfg.extra.get("wide_activations", "auto"))
-    except ValueError as exc:
-        raise BuildError(f"--wide-activations: {exc}") from None
     t_start = time.time()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
     from backend.build.embedded import resolve_target
@@ -102,7 +100,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
     ctx = devices.BuildContext(ck, engine_dir, tok_path, min(cfg.max_seq_len, ck.config.max_position_embeddings),
                                cfg.max_batch_size, log, cfg.quiet,
                                target_features(cfg.drafts, ck.config),   # an EAGLE-3 head's layers
-                               fp8_recipe=cfg.extra.get("fp8_recipe", "auto"), wide_activations=wide)
+                               options=cfg.options)
     if ctx.features:
         log(f"EAGLE-3 head: the target engines output the inputs of layers {list(ctx.features)} as features")
     default_format = cfg.default_format or cfg.weights[0]
@@ -171,9 +169,10 @@ def check_priced(manifest: EngineManifest) -> None:
     an unpriced one at nothing): BuildError naming it otherwise."""
     from backend.config import SpecConfig
     from backend.controller import CostModel, UnpricedDrafter
-    from backend.engine import make_drafters
 
-    drafters = make_drafters(manifest, SpecConfig())
+    drafters: dict = {}
+    for kind in draft_kinds.KINDS:                       # what the assembly makes (engine.make_drafters)
+        drafters.update(kind.make(manifest, SpecConfig(), None, drafters, lambda k: True))
     try:
         CostModel.from_json(manifest.cost_model).check_priced({k.value: d.traits for k, d in drafters.items()})
     except UnpricedDrafter as exc:
@@ -187,10 +186,10 @@ def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:
         "default_format": m.default_format.value,
         "max_seq_len": m.max_seq_len,
         "drafts": ",".join(sorted(m.drafts)) or "none",
-        "default_drafter": cfg.extra.get("default_drafter", "auto"),
+        "default_drafter": cfg.default_drafter,
         "instance_kind": "KIND_GPU" if m.gpu else "KIND_CPU",
-        "remote_draft": cfg.extra.get("remote_draft", ""),
-        "remote_draft_kind": cfg.extra.get("remote_draft_kind", "draft-model"),
+        "remote_draft": cfg.remote_draft,
+        "remote_draft_kind": cfg.remote_draft_kind,
     }
 
 

@@ -1,8 +1,9 @@
 """The device seam: every engine backend, and the one place a runtime is chosen (`load_runtime`).
 
 Knows: the backends (BACKENDS: one object per device and runtime, devices/base.py's contract),
-which backend owns a (device, weight format), how a manifest's engine or draft resolves to a
-file and model numbers. Does not know: what a backend does inside (devices/*.py).
+which backend owns a (device, weight format), its build options, how a manifest's engine or
+draft resolves to a file and model numbers. Does not know: what a backend does inside
+(devices/<name>/: each device's backend, exporter and build choices).
 
 Layering: this wing imports the build wing (export) and the runtimes (loading); neither of those
 imports it, and the runtimes never import the build wing (engine-file readers both share live in
@@ -11,15 +12,15 @@ backend/engine_format.py; tests/test_layering.py).
 from __future__ import annotations
 
 from backend.config import RuntimeOptions
-from backend.devices.base import BuildContext, EngineBackend, EngineRef
+from backend.devices.base import BuildContext, BuildOptions, EngineBackend, EngineRef, rebuild_command
 from backend.devices.cuda import CudaBackend
 from backend.devices.native import NativeBackend
 from backend.devices.onnx import OrtBackend
 from backend.devices.tensorrt import TensorrtBackend, reference_executor
 from backend.manifest import Device, EngineManifest, WeightFormat
 
-__all__ = ["BACKENDS", "DEVICES", "FORMATS", "BuildContext", "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here",
-           "default_weights", "formats", "load_runtime", "reference_executor"]
+__all__ = ["BACKENDS", "DEVICES", "FORMATS", "OPTIONS", "BuildContext", "BuildOptions", "EngineBackend", "EngineRef",
+           "TARGET", "backend_for", "check_here", "default_weights", "formats", "load_runtime", "reference_executor"]
 
 # One line per backend; on a device with several, the first whose formats include a format owns it,
 # and default builds list the available ones' defaults in this order (the first format serves).
@@ -30,6 +31,8 @@ TARGET = "target"
 # the devices and weight formats this install knows, in BACKENDS order (the CLI's choices)
 DEVICES: tuple[Device, ...] = tuple(dict.fromkeys(b.device for b in BACKENDS))
 FORMATS: tuple[WeightFormat, ...] = tuple(dict.fromkeys(f for b in BACKENDS for f in b.formats))
+# the backends' build option classes, each once (`specdec build` adds their flags)
+OPTIONS: tuple[type[BuildOptions], ...] = tuple(dict.fromkeys(b.options for b in BACKENDS if b.options))
 
 
 def formats(device: Device) -> tuple[WeightFormat, ...]:
@@ -94,12 +97,10 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     if engine not in manifest.drafts:
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
     d = manifest.drafts[engine]
-    if d.kind == "eagle":                    # a Llama layer of the head's own shape (any target family)
-        from backend.build.heads.eagle import head_config
-
-        cfg = head_config(manifest.model, d.head, d.draft_vocab_size)
-    else:
-        cfg = d.model or manifest.model
+    if d.kind == "eagle" and d.model is None:      # the head's shape is recorded by the build
+        raise ValueError(f"the EAGLE head in {manifest.root} was built before its shape was recorded in the "
+                         f"manifest: rebuild with `{rebuild_command(manifest)}` and the same --draft eagle:DIR")
+    cfg = d.model or manifest.model
     backend = backend_for(manifest.device, d.weights or manifest.default_format)
     ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, d.pad_single_token)
     return backend.load(manifest, ref, options)

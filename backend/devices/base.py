@@ -3,23 +3,47 @@ files) owns, from the build to the loaded runtime.
 
 Knows: the contract every backend keeps (formats and defaults, target and draft export, what
 the build records about the machine, whether the build can run what it built, the "can this
-machine run it" check, loading a runtime). Does not know: any particular device (devices/*.py),
+machine run it" check, loading a runtime). Does not know: any particular device (devices/*/),
 the decode algorithm, drafting policy.
 
-A backend is one object (devices/native.py, onnx.py, cuda.py, tensorrt.py) listed once in
-devices/__init__.py's BACKENDS. The build (build/pipeline.py) and `load_runtime` reach every
-device through it, so a new device is its backend file, its runtime file (runtime/X.py) and a
+A backend is one object (devices/<name>/backend.py: native, onnx, cuda, tensorrt; each folder
+also holds the device's exporter and build choices) listed once in devices/__init__.py's
+BACKENDS. The build (build/pipeline.py) and `load_runtime` reach every device through it, so a
+new device is its folder (backend, exporter, options), its runtime file (runtime/X.py) and a
 registry line.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from backend.config import RuntimeOptions
 from backend.manifest import Device, DraftEntry, EngineFile, EngineManifest, ModelConfig, WeightFormat
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """A backend's own build options, declared by it (EngineBackend.options): a frozen dataclass
+    whose fields are its `specdec build` flags (`--field-name`; the field's metadata gives "help"
+    and "choices"), checked when made (__post_init__ raises UserError naming the flag). The build
+    hands each backend its own; two backends may share one class (cuda and tensorrt: FP8)."""
+
+    @classmethod
+    def add_args(cls, parser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if flag not in parser._option_string_actions:          # a class two backends share: once
+                parser.add_argument(flag, default=f.default, help=f.metadata.get("help"),
+                                    choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+Options = TypeVar("Options", bound=BuildOptions)
 
 
 @dataclass
@@ -37,9 +61,11 @@ class BuildContext:
     quiet: bool = False
     features: tuple[int, ...] = ()
     state: dict = field(default_factory=dict)
-    fp8_recipe: str = "auto"                # FP8: "auto" (chosen by measured quality) or a recipe's name
-    wide_activations: tuple[str, ...] | str | None = None   # gguf: the wide families; None: measured and
-                                                            # priced; wide_choice.FIDELITY: measured
+    options: tuple[BuildOptions, ...] = ()  # the backends' own options as given (the rest: defaults)
+
+    def option(self, cls: type[Options]) -> Options:
+        """The build's options of class `cls` (a backend's declared class), its defaults where not given."""
+        return next((o for o in self.options if type(o) is cls), None) or cls()
 
 
 @dataclass(frozen=True)
@@ -66,6 +92,7 @@ class EngineBackend(ABC):
     # what its engines implement of the model description beyond the Llama layer
     # (manifest.ModelConfig.features): a model using anything else is refused before a build
     model_features: frozenset[str] = frozenset()
+    options: type[BuildOptions] | None = None   # its build options (flags), read with ctx.option
 
     def unsupported(self, model) -> list[str]:
         """The model description's features this backend's engines do not implement."""

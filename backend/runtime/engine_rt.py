@@ -167,9 +167,10 @@ class OrtExecutor:
     def __init__(self, path: Path, config: ModelConfig, num_layers: int, threads: int = 1):
         import onnxruntime as ort
 
+        from backend.runtime.ort import session_options
         from plugins import ort_ops
 
-        self.session = ort.InferenceSession(str(path), ort_ops.session_options(threads),
+        self.session = ort.InferenceSession(str(path), ort_ops.register(session_options(threads, spinning=False)),
                                             providers=["CPUExecutionProvider"])
         self.inputs = {i.name for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]

@@ -17,7 +17,7 @@ weight-only. Every scale is amax / 448 over its block (448: E4M3's largest finit
 `weight_only`: linears ("layers.<i>.<qkv|o|gate_up|down>") whose weights are FP8 by the recipe
 but whose input stays in the compute dtype (the build's per-linear check sends the linears that
 lose most there). `gptq`: the weights' codes were rounded by GPTQ on calibration inputs
-(build/fp8_gptq.py) instead of to nearest: the same layout, so nothing here reads it. Embedding, norms and LM head are never FP8 (build/torch_engine.py).
+(build/fp8_gptq.py) instead of to nearest: the same layout, so nothing here reads it. Embedding, norms and LM head are never FP8 (devices/cuda/export.py).
 
 A weight's scale is stored [ceil(N / rows), ceil(K / cols)] (per channel: [N, 1]), computed on
 the fused matrix the runtime multiplies (q|k|v, gate|up), so the torch runtime, the engine graph
@@ -59,7 +59,7 @@ class Recipe:
 
     @property
     def static(self) -> bool:
-        """Whether inputs need calibrated scales (build/torch_engine.calibrate)."""
+        """Whether inputs need calibrated scales (build/calibration.calibrate)."""
         return self.inputs == "tensor"
 
     def quantizes_input(self, linear: str) -> bool:

@@ -1,4 +1,4 @@
-"""Native CPU runtime: the GGUF-block engine (build/native_engine.py) run by our own C decode
+"""Native CPU runtime: the GGUF-block engine (devices/native/export.py) run by our own C decode
 step (plugins/native/forward.c over the kernels of kernels.h, compiled by the project's install,
 loaded with ctypes).
 
@@ -216,7 +216,7 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 def blocked_matmul(kind: str, data: np.ndarray, rows: int, cols: int, x: np.ndarray, threads: int = 1,
                    wide: bool = False) -> np.ndarray:
-    """The kernel alone: x [R, cols] float32 @ a repacked matrix (native_engine.repack) -> [R, rows]
+    """The kernel alone: x [R, cols] float32 @ a repacked matrix (devices/native/export.repack) -> [R, rows]
     (wide: x as wide activations)."""
     x = np.ascontiguousarray(x, np.float32)
     y = np.empty((x.shape[0], rows), np.float32)
@@ -287,7 +287,7 @@ class NativeModel:
 
     def set_wide(self, wide: tuple[str, ...]) -> None:
         """The families taking wide activations from the next forward on (the build's measure,
-        build/wide_choice.py; the workspace is sized per forward)."""
+        devices/native/wide.py; the workspace is sized per forward)."""
         self.struct.wide = wide_mask(wide)
 
 

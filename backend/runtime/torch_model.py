@@ -9,7 +9,7 @@ EAGLE head first maps [embedding of x, target feature] through `fc`; an EAGLE-3 
 [norm(embedding), norm(feature)]. A target with `feature_layers` appends those layers' inputs to
 its features (EAGLE-3's, graph.py).
 
-Weights come from an engine file the build wrote (build/torch_engine.py), canonical names as in
+Weights come from an engine file the build wrote (devices/cuda/export.py), canonical names as in
 build/checkpoint.py, in one of three formats:
     fp32  float32 (the reference; CPU tests)
     bf16  bfloat16
@@ -442,7 +442,7 @@ def load_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def load_recipe(path) -> fp8.Recipe | None:
-    """The FP8 recipe an engine file names in its metadata (build/torch_engine.py), or None."""
+    """The FP8 recipe an engine file names in its metadata (devices/cuda/export.py), or None."""
     import json
 
     from safetensors import safe_open

@@ -40,7 +40,7 @@ class TorchRuntime(SlotSequences):
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,
                  tensors: dict | None = None, dtype: torch.dtype | None = None,
                  feature_layers: tuple[int, ...] = (), fp8_recipe=None):
-        """engine_path: an engine file of build/torch_engine.py (or `tensors` in its layout,
+        """engine_path: an engine file of devices/cuda/export.py (or `tensors` in its layout,
         for benchmarks on random weights, with their `fp8_recipe`, runtime/fp8.py); dtype:
         compute dtype (bf16 on a GPU, fp32 on CPU)."""
         self.config = config

@@ -1,5 +1,5 @@
 """The TensorRT executor of the engine runtime (runtime/engine_rt.py): one deserialized engine
-(a `.plan` of build/trt_engine.py), one execution context, the KV caches as torch CUDA tensors
+(a `.plan` of devices/tensorrt/export.py), one execution context, the KV caches as torch CUDA tensors
 bound to the engine's `k_cache_i` / `v_cache_i` inputs, one stream.
 
 A step copies the small host inputs to the device, binds every input and output address,

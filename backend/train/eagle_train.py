@@ -246,7 +246,7 @@ def train(cfg: TrainConfig) -> Path:
     import torch
 
     from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
     from backend.train.eagle_model import Eagle3Head, EagleHead, causal_mask

@@ -1,5 +1,5 @@
 /* The native CPU decode step: one Llama-family forward over a batch of token trees, straight
- * from GGUF-style 4-bit / 8-bit blocks (built by backend/build/native_engine.py, driven through
+ * from GGUF-style 4-bit / 8-bit blocks (built by backend/devices/native/export.py, driven through
  * ctypes by backend/runtime/native.py), composed from the kernels in kernels.h. This file is the
  * model: its structs (mirrored in runtime/native.py, checked at load by sd_abi), the checks of
  * every index a step follows, the KV cache layout, the layer, and the exported entry points.
@@ -394,7 +394,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
 }
 
 /* The binary interface runtime/native.py mirrors with ctypes (the structs above, the block
- * layout build/native_engine.py writes, the weight kinds), checked by Python when it loads the
+ * layout devices/native/export.py writes, the weight kinds), checked by Python when it loads the
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */

@@ -19,7 +19,6 @@ from backend.build.graph import GraphSpec, build_decoder, save_model
 from backend.manifest import WeightFormat
 
 EAGLE_ONNX = "draft_eagle.onnx"
-EAGLE_NATIVE = "draft_eagle.bin"
 
 
 def head_config(target, cfg: dict, vocab_size: int):
@@ -55,18 +54,12 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
     return Checkpoint(config, tensors, TokenizerSource(), str(head_dir)), vocab
 
 
-def export_eagle_head(head_dir: Path, target: Checkpoint, engine_dir: Path, max_positions: int,
-                      native: bool = False) -> tuple[Path, np.ndarray]:
-    """The head as an ONNX engine in `engine_dir`, or (native) as a native-kernel engine in
-    Q8_0 blocks (build/native_engine.py) -> (its path, the draft vocabulary map)."""
+def export_eagle_head(head_dir: Path, target: Checkpoint, engine_dir: Path, max_positions: int
+                      ) -> tuple[Path, np.ndarray, object]:
+    """The head as an ONNX engine in `engine_dir` -> (its path, the draft vocabulary map, its
+    model description: the manifest records it, so loading the head needs no builder)."""
     ck, vocab = head_checkpoint(Path(head_dir), target)
-    if native:
-        from backend.build.native_engine import export_native
-
-        path = Path(engine_dir) / EAGLE_NATIVE
-        export_native(ck, 1, max_positions, path)
-        return path, vocab
     model = build_decoder(ck, GraphSpec(WeightFormat.FP32, 1, max_positions, eagle=True))
     path = Path(engine_dir) / EAGLE_ONNX
     save_model(model, path)
-    return path, vocab
+    return path, vocab, ck.config

@@ -5,11 +5,11 @@ TensorRT engines (`<stem>.plan` beside each `.onnx`) built from it through the O
 the plugins of plugins/trt_plugins.py. Where they are absent it writes the engine-ready ONNX and
 the manifest, builds nothing, and says in one line what is missing.
 
-FP8 is the GPU runtime's recipe (runtime/fp8.py), chosen the same way (torch_engine.fp8_plan:
+FP8 is the GPU runtime's recipe (runtime/fp8.py), chosen the same way (devices/cuda/export.fp8_plan:
 measured quality, or `--fp8-recipe`) and written by build/fp8_graph.py; the static recipe's
 input scales are calibrated on the stdlib-docstring prompts; a draft model gets its own
 calibration, a self-draft reads the target's scales, an EAGLE head is calibrated on the target's
-features of the same prompts (torch_engine.calibrate with `head`); drafts use the target's
+features of the same prompts (build/calibration.calibrate with `head`); drafts use the target's
 recipe; an EAGLE head's fc stays float32.
 Knows: which files to write, TensorRT's builder and optimization profiles. Does not know:
 graph wiring (graph.py, engine_graph.py), serving.
@@ -42,7 +42,7 @@ def environment() -> tuple[dict | None, str | None]:
         return None, "torch is not installed (pip install -e '.[tensorrt]')"
     if not torch.cuda.is_available():
         return None, f"no CUDA GPU on this machine (TensorRT {trt.__version__} is installed)"
-    from backend.build.torch_engine import gpu_info
+    from backend.devices.cuda.export import gpu_info
 
     return {**gpu_info(), "tensorrt": trt.__version__}, None
 
@@ -58,7 +58,7 @@ def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: di
 
 def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None,
                head_fc=None, features: tuple[int, ...] = ()) -> dict:
-    from backend.build.torch_engine import calibrate, checkpoint_prompts
+    from backend.build.calibration import calibrate, checkpoint_prompts
 
     t0 = time.time()
     prompts = checkpoint_prompts(ck, tokenizer_json)
@@ -72,7 +72,7 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
                features: tuple[int, ...] = (), fp8_choice: str = "auto"):
     """The target's engine graph in every format -> ({format: EngineFile}, {format: s}, FP8 input
     scales, FP8 recipe); `features`: EAGLE-3's layers (GraphSpec.feature_layers)."""
-    from backend.build.torch_engine import fp8_plan
+    from backend.devices.cuda.export import fp8_plan
 
     act, recipe, report = fp8_plan(ck, max_seq_len, tokenizer_json, log, fp8_choice) \
         if WeightFormat.FP8 in formats else (None, None, None)
@@ -113,7 +113,7 @@ def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int
     ef = _write(hck, GraphSpec(fmt, 1, max_seq_len, eagle=True, plugins=True, verify=False), engine_dir,
                 f"draft_eagle_{fmt.value}", hact, _own(recipe))
     log(f"EAGLE head from {head} -> {ef.path} ({fmt.value})")
-    return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, weights=fmt.value)
+    return "eagle", eagle_entry(head, engine_dir, ef.path, vocab, hck.config, weights=fmt.value)
 
 
 def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,

@@ -1,7 +1,7 @@
 """TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py): the ONNX graph
 with our kernels as plugins, compiled into plans on the serving GPU.
 
-Knows: the engine-graph export and plan compilation (build/trt_engine.py), that a plan runs
+Knows: the engine-graph export and plan compilation (export.py), that a plan runs
 only on the GPU and TensorRT version it was built with, and the reference executor
 (SPECDEC_EXECUTOR=onnxruntime: the same graph on ONNX Runtime's CPU provider with the plugins'
 numpy references, the proof of graph and runtime on a CPU). Does not know: the decode algorithm.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from backend.devices.base import EngineBackend, EngineRef, rebuild_command
+from backend.devices.cuda.backend import Fp8Options
 from backend.manifest import Device, WeightFormat
 
 
@@ -31,43 +32,44 @@ class TensorrtBackend(EngineBackend):
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
                                 "embed_scale", "attn_scale", "final_logit_softcap",
                                 "attn_logit_softcap"})
+    options = Fp8Options                    # the GPU runtime's FP8 recipe, chosen the same way
 
     def environment(self, ctx):
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
 
-        gpu, missing = trt_engine.environment()
+        gpu, missing = export.environment()
         ctx.state["missing"], ctx.state["gpu"] = missing, gpu
         return gpu
 
     def export_targets(self, ctx, formats):
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
 
-        engines, timings, ctx.state["act"], ctx.state["recipe"] = trt_engine.export_all(
+        engines, timings, ctx.state["act"], ctx.state["recipe"] = export.export_all(
             ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json, ctx.log, ctx.features,
-            ctx.fp8_recipe)
+            ctx.option(Fp8Options).fp8_recipe)
         return engines, timings
 
     def export_layers(self, ctx, n, serving):
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
 
-        return trt_engine.export_layers(ctx.ck, n, serving, ctx.state.get("act"), ctx.max_seq_len, ctx.engine_dir,
+        return export.export_layers(ctx.ck, n, serving, ctx.state.get("act"), ctx.max_seq_len, ctx.engine_dir,
                                         ctx.log, ctx.state.get("recipe"))
 
     def export_model(self, ctx, path, serving):
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
 
-        return trt_engine.export_draft_model(path, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir,
+        return export.export_draft_model(path, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir,
                                              ctx.tokenizer_json, ctx.log, ctx.state.get("recipe"))
 
     def export_head(self, ctx, head, serving):
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
 
-        return trt_engine.export_head(head, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
+        return export.export_head(head, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
                                       ctx.log, ctx.state.get("recipe"))
 
     def finish(self, ctx, engines, drafts):
         """Plans for every written graph, where this machine has a GPU and TensorRT's builder."""
-        from backend.build import trt_engine
+        from backend.devices.tensorrt import export
         from backend.kv_slots import SCRATCH_COLUMNS
 
         missing = ctx.state.get("missing")
@@ -78,7 +80,7 @@ class TensorrtBackend(EngineBackend):
         ctx.log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']}), TensorRT {gpu['tensorrt']}")
         for x in [*engines.values(), *drafts.values()]:
             if x.path.endswith(".onnx"):
-                trt_engine.build_plan(ctx.engine_dir / x.path, ctx.max_seq_len, ctx.max_batch_size,
+                export.build_plan(ctx.engine_dir / x.path, ctx.max_seq_len, ctx.max_batch_size,
                                       ctx.max_batch_size + 1, ctx.max_seq_len + SCRATCH_COLUMNS, ctx.log)
 
     def measurable(self, gpu):

@@ -48,14 +48,13 @@ def export_draft_model(ctx: BuildContext, spec: str) -> tuple[str, DraftEntry]:
                                pad_single_token=ef.pad_single_token, model=dck.config)
 
 
-def export_eagle(ctx: BuildContext, head: Path, native: bool) -> tuple[str, DraftEntry]:
-    """An EAGLE head as a 1-layer engine: on the native kernel beside a gguf target, else ONNX."""
+def export_eagle(ctx: BuildContext, head: Path) -> tuple[str, DraftEntry]:
+    """An EAGLE head as a 1-layer ONNX engine."""
     from backend.build import drafts as drafts_mod
     from backend.build.heads.eagle import export_eagle_head
 
-    path, vocab = export_eagle_head(head, ctx.ck, ctx.engine_dir, ctx.max_seq_len, native=native)
-    entry = drafts_mod.eagle_entry(head, ctx.engine_dir, path.name, vocab,
-                                   weights=WeightFormat.GGUF.value if native else None)
+    path, vocab, model = export_eagle_head(head, ctx.ck, ctx.engine_dir, ctx.max_seq_len)
+    entry = drafts_mod.eagle_entry(head, ctx.engine_dir, path.name, vocab, model)
     ctx.log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.draft_vocab_size})")
     return "eagle", entry
 
@@ -88,7 +87,7 @@ class OrtBackend(EngineBackend):
         return export_draft_model(ctx, path)
 
     def export_head(self, ctx, head, serving):
-        return export_eagle(ctx, head, native=False)
+        return export_eagle(ctx, head)
 
     def load(self, manifest, ref: EngineRef, options):
         from backend.runtime.ort import OrtRuntime

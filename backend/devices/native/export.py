@@ -6,7 +6,7 @@ f16 scales, offsets and packed sub-block scales too), Q4_0 as Q4_1 with m = -8d 
 So a decode step reads the same bytes per token as llama.cpp on the same file. Float tensors
 are quantized to Q8_0 blocks (round to nearest, scale amax/127 in f16, as llama.cpp's
 quantize). The only change is the order: 16 output rows are interleaved per block (kernels.h
-explains the layouts, native_blocks.py writes them). Parts of one fused matrix (q, k, v; gate,
+explains the layouts, blocks.py writes them). Parts of one fused matrix (q, k, v; gate,
 up) of different kinds stay apart, each in its own blocks (forward.c runs them side by side).
 
 File: 8 bytes little-endian header length, a JSON header (model numbers and, per tensor, its
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.build.checkpoint import Checkpoint
-from backend.build.native_blocks import kind_of, matrix as _matrix
+from backend.devices.native.blocks import kind_of, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)
 from backend.manifest import EngineFile, WeightFormat
@@ -40,7 +40,7 @@ def _fused_or_apart(prefix: str, names: tuple[str, ...], parts) -> dict:
 
 
 def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> EngineFile:
-    from backend.build.graph import rope_tables
+    from backend.engine_format import rope_tables
 
     cfg = ck.config
     tensors: dict[str, tuple[str, np.ndarray, int, int]] = {}

@@ -1,14 +1,35 @@
 """CUDA engines: torch with our Triton-language kernels (runtime/torch_rt.py), fp32/bf16/FP8.
 
-Knows: the torch engine files (build/torch_engine.py), the GPU a build was made for and the
+Knows: the torch engine files (export.py), its build option (Fp8Options, chosen by
+fp8_choice.py where "auto"), the GPU a build was made for and the
 check that this machine is that GPU, loading runtime/torch_rt.py. A build on a machine without
 a GPU makes engines for its CPU (tests, FP8 quality), refused on a GPU. Does not know: the
 decode algorithm.
 """
 from __future__ import annotations
 
-from backend.devices.base import EngineBackend, EngineRef, rebuild_command
+from dataclasses import dataclass, field
+
+from backend.devices.base import BuildOptions, EngineBackend, EngineRef, rebuild_command
+from backend.errors import UserError
 from backend.manifest import Device, WeightFormat
+from backend.runtime.fp8 import RECIPES
+
+
+@dataclass(frozen=True)
+class Fp8Options(BuildOptions):
+    """FP8 engines' options (cuda and tensorrt: the same recipe)."""
+
+    fp8_recipe: str = field(default="auto", metadata={
+        "choices": ["auto"] + [n for r in RECIPES for n in (r.name, r.name + "+gptq")],
+        "help": "FP8 engines: how weights and inputs are scaled (+gptq: weights rounded by GPTQ on "
+                "the calibration prompts); auto: the fastest recipe that meets the quality bar on "
+                "held-out calibration prompts, weights rounded by GPTQ (docs/building.md)"})
+
+    def __post_init__(self):
+        if self.fp8_recipe not in self.__dataclass_fields__["fp8_recipe"].metadata["choices"]:
+            raise UserError(f"--fp8-recipe: {self.fp8_recipe!r} is not a recipe (choose from "
+                            f"{', '.join(self.__dataclass_fields__['fp8_recipe'].metadata['choices'])})")
 
 
 class CudaBackend(EngineBackend):
@@ -21,36 +42,37 @@ class CudaBackend(EngineBackend):
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
                                 "embed_scale", "attn_scale", "final_logit_softcap",
                                 "attn_logit_softcap"})
+    options = Fp8Options
 
     def environment(self, ctx):
-        from backend.build import torch_engine
+        from backend.devices.cuda import export
 
-        gpu = torch_engine.gpu_info()
+        gpu = export.gpu_info()
         ctx.log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']})" if gpu else
                 "no CUDA device: the torch engines are built for this CPU (tests, FP8 quality); "
                 "a GPU server needs the build run on its GPU")
         return gpu
 
     def export_targets(self, ctx, formats):
-        from backend.build import torch_engine
+        from backend.devices.cuda import export
 
-        return torch_engine.export_all(ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
-                                       ctx.log, ctx.features, ctx.fp8_recipe)
+        return export.export_all(ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
+                                       ctx.log, ctx.features, ctx.option(Fp8Options).fp8_recipe)
 
     def export_layers(self, ctx, n, serving):
-        from backend.build import torch_engine
+        from backend.devices.cuda import export
 
-        return torch_engine.export_layers(ctx.ck, n, serving, ctx.log)
+        return export.export_layers(ctx.ck, n, serving, ctx.log)
 
     def export_model(self, ctx, path, serving):
-        from backend.build import torch_engine
+        from backend.devices.cuda import export
 
-        return torch_engine.export_draft_model(path, ctx.ck, serving, ctx.engine_dir, ctx.log)
+        return export.export_draft_model(path, ctx.ck, serving, ctx.engine_dir, ctx.log)
 
     def export_head(self, ctx, head, serving):
-        from backend.build import torch_engine
+        from backend.devices.cuda import export
 
-        return torch_engine.export_head(head, ctx.ck, serving, ctx.engine_dir, ctx.log)
+        return export.export_head(head, ctx.ck, serving, ctx.engine_dir, ctx.log)
 
     def check_here(self, manifest) -> str:
         """"cuda" on the GPU model the manifest was built for, "cpu" for a build made without a

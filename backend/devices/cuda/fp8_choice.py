@@ -76,7 +76,7 @@ def _logprobs(rt, ids: np.ndarray, n: int) -> np.ndarray:
 def reference(ck, prompts: list[list[int]], max_seq_len: int, new_tokens: int) -> Probe:
     """fp32's greedy continuations of `prompts` (all rows in one batch per step) and its
     log-probabilities along them."""
-    from backend.build.torch_engine import _tensors
+    from backend.build.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP32, ck.config.num_layers, None), max_seq_len, rows=len(prompts))
@@ -105,7 +105,7 @@ def reference(ck, prompts: list[list[int]], max_seq_len: int, new_tokens: int) -
 
 def measure(ck, probe: Probe, recipe: fp8.Recipe, act_scales: dict | None, max_seq_len: int) -> dict:
     """Top-1 agreement and mean KL(fp32 || recipe) over the probe's continuation positions."""
-    from backend.build.torch_engine import _tensors
+    from backend.build.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP8, ck.config.num_layers, act_scales, recipe), max_seq_len, recipe)
@@ -127,12 +127,12 @@ def linear_errors(ck, probe: Probe, recipe: fp8.Recipe, act_scales: dict | None,
     forward, run through the fp32 model."""
     import torch
 
-    from backend.build.torch_engine import _tensors
+    from backend.build.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP32, ck.config.num_layers, None), max_seq_len)
     sums: dict[str, list[float]] = {}
-    from backend.build.torch_engine import quantize_fp8
+    from backend.build.fp8 import quantize_fp8
 
     for name, lin in rt.model.linears().items():
         w = fp8.dequantize_weight(*quantize_fp8(lin.w.float(), recipe, act_scales, name), recipe)

@@ -1,7 +1,8 @@
 """CPU engines on our own C decode step (plugins/native, runtime/native.py): the GGUF's own
 blocks, repacked for the kernel. The CPU default where the install compiled the kernel.
 
-Knows: the native engine file (build/native_engine.py writes it), which drafts run on the
+Knows: the native engine file (export.py writes it), its build option (NativeOptions: which
+matrices take wide activations, wide.py), which drafts run on the
 kernel beside it (the target's first layers, an EAGLE head, a separate draft model whose
 description it implements) and which on ONNX Runtime (any other draft model), loading
 runtime/native.py. Does not know: the decode algorithm.
@@ -9,12 +10,38 @@ runtime/native.py. Does not know: the decode algorithm.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from backend.config import RuntimeOptions
-from backend.devices.base import EngineBackend, EngineRef
-from backend.devices.onnx import export_draft_model, export_eagle
+from backend.devices.base import BuildOptions, EngineBackend, EngineRef
+from backend.errors import UserError
+from backend.devices.onnx.backend import export_draft_model
 from backend.manifest import Device, DraftEntry, WeightFormat
+
+EAGLE_FILE = "draft_eagle.bin"       # an EAGLE head's layer on the kernel
+
+
+@dataclass(frozen=True)
+class NativeOptions(BuildOptions):
+    wide_activations: str = field(default="auto", metadata={"help": (
+        "gguf engines: the matrices whose inputs the native kernel takes as wide activations "
+        "(two int8 rows, ~14 bits) instead of int8: fidelity (the fewest that keep top-1 "
+        "agreement >= 0.995 with all wide on the calibration prompts), auto (those, where they "
+        "cost a plain decode step <= 3%% on this machine; else int8), none, all, or families by "
+        "comma: qkv, o, gate_up, down, lm_head (docs/building.md)")})
+
+    def __post_init__(self):
+        try:
+            self.wide
+        except ValueError as exc:
+            raise UserError(f"--wide-activations: {exc}") from None
+
+    @property
+    def wide(self) -> tuple[str, ...] | str | None:
+        """wide.parse's form: the families, None (measured and priced) or wide.FIDELITY (measured)."""
+        from backend.devices.native import wide
+
+        return wide.parse(self.wide_activations)
 
 
 class NativeBackend(EngineBackend):
@@ -26,6 +53,7 @@ class NativeBackend(EngineBackend):
     model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
                                 "embed_scale", "attn_scale", "final_logit_softcap",
                                 "attn_logit_softcap"})   # forward.c's flags
+    options = NativeOptions
 
     def missing(self):
         from backend.runtime import native
@@ -36,7 +64,7 @@ class NativeBackend(EngineBackend):
                 "install gcc and rerun `.venv/bin/pip install -e '.[all]'`, or build --weights fp32,q4")
 
     def export_targets(self, ctx, formats):
-        from backend.build.native_engine import export_native
+        from backend.devices.native.export import export_native
 
         assert formats == (WeightFormat.GGUF,), formats
         t0 = time.time()
@@ -48,20 +76,21 @@ class NativeBackend(EngineBackend):
     @staticmethod
     def _wide_activations(ctx, path):
         """The matrix families taking wide activations and the report (EngineFile.activations):
-        as --wide-activations names them, or measured on the calibration prompts (wide_choice)."""
-        from backend.build import wide_choice
+        as --wide-activations names them, or measured on the calibration prompts (wide.py)."""
+        from backend.devices.native import wide
 
-        if isinstance(ctx.wide_activations, tuple):
-            return ctx.wide_activations, {"wide": list(ctx.wide_activations), "chosen_by": "--wide-activations"}
-        from backend.build.torch_engine import checkpoint_prompts
+        given = ctx.option(NativeOptions).wide
+        if isinstance(given, tuple):
+            return given, {"wide": list(given), "chosen_by": "--wide-activations"}
+        from backend.build.calibration import checkpoint_prompts
         from backend.runtime.native import NativeRuntime
 
         ck = ctx.ck
-        tokens = min(wide_choice.PROBE_TOKENS, ctx.max_seq_len - 1)    # a tiny model's positions may be fewer
-        prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide_choice.PROBE_PROMPTS, tokens)
+        tokens = min(wide.PROBE_TOKENS, ctx.max_seq_len - 1)    # a tiny model's positions may be fewer
+        prompts = checkpoint_prompts(ck, ctx.tokenizer_json, wide.PROBE_PROMPTS, tokens)
         rt = NativeRuntime(path, ck.config, ck.config.num_layers, tokens + 1, RuntimeOptions(max_sequences=1))
         try:
-            how = wide_choice.choose if ctx.wide_activations == wide_choice.FIDELITY else wide_choice.decide
+            how = wide.choose if given == wide.FIDELITY else wide.decide
             wide, report = how(rt, prompts, ctx.log, tokens)
         finally:
             rt.close()
@@ -78,7 +107,7 @@ class NativeBackend(EngineBackend):
         from pathlib import Path
 
         from backend.build import drafts as drafts_mod
-        from backend.build.native_engine import export_native
+        from backend.devices.native.export import export_native
 
         dck = drafts_mod.draft_checkpoint(path, ctx.ck.config)
         if self.unsupported(dck.config):
@@ -90,7 +119,18 @@ class NativeBackend(EngineBackend):
                                    model=dck.config)
 
     def export_head(self, ctx, head, serving):
-        return export_eagle(ctx, head, native=True)
+        """An EAGLE head on the kernel too: its layer in Q8_0 blocks (export.py), beside the target."""
+        from backend.build import drafts as drafts_mod
+        from backend.build.heads.eagle import head_checkpoint
+        from backend.devices.native.export import export_native
+
+        hck, vocab = head_checkpoint(head, ctx.ck)
+        path = ctx.engine_dir / EAGLE_FILE
+        export_native(hck, 1, ctx.max_seq_len, path)
+        entry = drafts_mod.eagle_entry(head, ctx.engine_dir, path.name, vocab, hck.config,
+                                       weights=WeightFormat.GGUF.value)
+        ctx.log(f"EAGLE head from {head} -> {path.name} (draft vocabulary {entry.draft_vocab_size})")
+        return "eagle", entry
 
     def load(self, manifest, ref: EngineRef, options):
         from backend.runtime.native import NativeRuntime

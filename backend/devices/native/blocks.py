@@ -7,7 +7,7 @@ Q4_0 as Q4_1 with m = -8d (exact in f16). Other tensors (floats, other GGUF type
 dequantized and quantized to Q8_0 blocks (round to nearest, scale amax/127 in f16).
 
 Knows: GGUF block layouts, the kernel's layout (engine_format.repack). Does not know: the engine
-file (native_engine.py), the kernel, the runtime.
+file (export.py), the kernel, the runtime.
 """
 from __future__ import annotations
 
