@@ -18,7 +18,6 @@ from backend.build.templates import fill_repository
 from backend.errors import UserError
 from backend import devices, draft_kinds
 from backend.manifest import DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
-from backend.runtime import native
 
 ENGINE_SUBDIR = "specdec/engine"     # inside the model repository, shared by all models
 
@@ -55,8 +54,8 @@ def _tool_versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
-    if native.compiled():
-        out["native_kernel"] = native.isa()          # the instruction set the kernel was compiled for
+    for b in devices.BACKENDS:
+        out.update(b.versions())
     return out
 
 

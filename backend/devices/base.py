@@ -102,6 +102,10 @@ class EngineBackend(ABC):
         """Why this install cannot build or run this backend's engines (one line), or None."""
         return None
 
+    def versions(self) -> dict[str, str]:
+        """What of this install the manifest's tool_versions records (the native kernel's ISA)."""
+        return {}
+
     def environment(self, ctx: BuildContext) -> dict | None:
         """The accelerator the build records in the manifest (`gpu`), None on a CPU."""
         return None

@@ -63,6 +63,11 @@ class NativeBackend(EngineBackend):
         return ("needs the native CPU kernel, which the install did not compile (no C compiler with OpenMP?): "
                 "install gcc and rerun `.venv/bin/pip install -e '.[all]'`, or build --weights fp32,q4")
 
+    def versions(self):
+        from backend.runtime import native
+
+        return {"native_kernel": native.isa()} if native.compiled() else {}   # the ISA it was compiled for
+
     def export_targets(self, ctx, formats):
         from backend.devices.native.export import export_native
 
