@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from backend.errors import ManifestMismatch, ManifestMissing
 from backend.names import Name
@@ -118,14 +119,20 @@ class ModelConfig:
         return self.rope_local_theta is not None and self.window(layer) > 0
 
     def features(self) -> list[str]:
-        """What this model uses beyond the Llama layer (each engine backend declares which of
-        these it implements: devices/base.py EngineBackend.model_features)."""
-        used = {"gelu_tanh": self.activation == "gelu_tanh", "qk_norm": self.qk_norm,
-                "post_norms": self.post_norms, "sliding_window": bool(self.sliding_window),
-                "local_rope": self.rope_local_theta is not None, "embed_scale": self.embed_scale != 1.0,
-                "attn_scale": self.attn_scale is not None, "final_logit_softcap": bool(self.final_logit_softcap),
-                "attn_logit_softcap": bool(self.attn_logit_softcap)}
-        return [k for k, v in used.items() if v]
+        """What this model uses beyond the Llama layer, by name (FEATURES: each engine backend
+        declares which of these it implements, devices/base.py EngineBackend.model_features)."""
+        return [name for name, used in FEATURES.items() if used(self)]
+
+    def plan(self, layer: int) -> "LayerPlan":
+        """Layer `layer` as every engine runs it (the one reading of this description per layer:
+        the ONNX graph, the torch model and the native kernel's layer records interpret it)."""
+        return LayerPlan(activation=self.activation, qkv_bias=self.attention_bias, qk_norm=self.qk_norm,
+                         post_norms=self.post_norms, window=self.window(layer),
+                         rope="local" if self.local_rope(layer) else "global", q_scale=self.scale,
+                         attn_softcap=self.attn_logit_softcap)
+
+    def plans(self, num_layers: int | None = None) -> tuple["LayerPlan", ...]:
+        return tuple(self.plan(i) for i in range(self.num_layers if num_layers is None else num_layers))
 
     def llama_layer(self, **changes) -> "ModelConfig":
         """This model's numbers on the plain Llama layer (every feature above cleared; rope keeps
@@ -152,6 +159,41 @@ class ModelConfig:
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["rope_freq_factors"] = tuple(d.get("rope_freq_factors", ()))
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer, its steps in order, as ModelConfig.plan reads them for every engine:
+    input norm -> q/k/v (+ bias: qkv_bias) -> q and k RMS-normed per head (qk_norm; q's norm
+    carries q_scale) -> rotary from the global or the local table (rope) -> attention (q times
+    q_scale, keys within `window` (0: all), scores soft-capped by attn_softcap (0: none)) -> o
+    -> its output normed (post_norms) -> residual -> MLP norm -> gate|up -> activation(gate) * up
+    -> down -> its output normed (post_norms) -> residual. A new step or placement is a field here
+    that each engine interprets (architecture.md, "where a change goes")."""
+
+    activation: str = "silu"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    window: int = 0
+    rope: str = "global"                  # "global" | "local" (the sliding layers' own base)
+    q_scale: float = 1.0
+    attn_softcap: float = 0.0
+
+
+# What a model may use beyond the Llama layer, declared once: name -> whether a description uses it
+# (ModelConfig.features; a backend implements these unless it says otherwise, devices/base.py)
+FEATURES: dict[str, Callable[[ModelConfig], bool]] = {
+    "gelu_tanh": lambda c: c.activation == "gelu_tanh",
+    "qk_norm": lambda c: c.qk_norm,
+    "post_norms": lambda c: c.post_norms,
+    "sliding_window": lambda c: bool(c.sliding_window),
+    "local_rope": lambda c: c.rope_local_theta is not None,
+    "embed_scale": lambda c: c.embed_scale != 1.0,
+    "attn_scale": lambda c: c.attn_scale is not None,
+    "final_logit_softcap": lambda c: bool(c.final_logit_softcap),
+    "attn_logit_softcap": lambda c: bool(c.attn_logit_softcap),
+}
 
 
 @dataclass(frozen=True)

@@ -229,3 +229,32 @@ def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
     assert_greedy_identity(spec_decoder(m, "toy32", num_draft_tokens=3), "draft-model")   # self:1
     with pytest.raises(ValueError, match=r"device 'npu' has no backend in this install \(devices: cpu, cuda, tensorrt, toy\)"):
         devices.backend_for(Device("npu"), "fp32")
+
+
+def test_the_engines_read_a_layer_through_its_plan():
+    """One reading of the model description per layer (manifest.ModelConfig.plan): the ONNX graph,
+    the torch model, the native kernel's layer records and the runtimes that size attention read a
+    layer's activation, bias, q/k norms, post norms, window, rope table, q scale and score soft-cap
+    from its LayerPlan, never from the description's fields; the feature list is declared once
+    (manifest.FEATURES) and every backend implements it."""
+    import re
+
+    from backend.devices import BACKENDS
+    from backend.manifest import FEATURES, LayerPlan, ModelConfig
+
+    raw = re.compile(r"\b(cfg|config|c)\.(qk_norm|post_norms|window\(|local_rope\(|attn_logit_softcap|activation|"
+                     r"attention_bias|scale)\b")
+    readers = ["backend/build/graph.py", "backend/build/engine_graph.py", "backend/runtime/torch_model.py",
+               "backend/runtime/torch_rt.py", "backend/runtime/native.py", "backend/runtime/ort.py"]
+    hits = {f: [ln for ln in (ROOT / f).read_text().splitlines() if raw.search(ln) and "def " not in ln]
+            for f in readers}
+    assert {f: h for f, h in hits.items() if h} == {}
+    cfg = ModelConfig(architecture="gemma3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position_embeddings=256, tie_word_embeddings=True, activation="gelu_tanh", qk_norm=True,
+                      post_norms=True, sliding_window=8, layer_types=("sliding", "full", "sliding"),
+                      rope_local_theta=1e4, attn_scale=0.5, attn_logit_softcap=30.0)
+    assert cfg.plan(0) == LayerPlan("gelu_tanh", False, True, True, 8, "local", 0.5, 30.0)
+    assert cfg.plan(1) == LayerPlan("gelu_tanh", False, True, True, 0, "global", 0.5, 30.0)
+    assert len(cfg.plans()) == 3 and cfg.llama_layer().plan(0) == LayerPlan(q_scale=0.25)
+    assert set(cfg.features()) <= set(FEATURES) and all(b.model_features == frozenset(FEATURES) for b in BACKENDS)

@@ -220,10 +220,8 @@ class _Decoder:
         self.ckpt, self.spec = ckpt, spec
         self.g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
         self.lin = _Linear(self.g, spec.weights, act_scales, fp8_recipe)
-        # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
-        # q norm's weight
-        self.wscale = 1.0 if cfg.qk_norm else cfg.scale
-        self.windows = [cfg.window(i) for i in range(spec.num_layers)]
+        self.plans = cfg.plans(spec.num_layers)          # each layer's steps (manifest.LayerPlan)
+        self.windows = [p.window for p in self.plans]
         # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
         # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (build/heads/eagle.py)
         self.eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
@@ -287,7 +285,7 @@ class _Decoder:
         cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
         sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
         local_rope = None
-        if any(cfg.local_rope(i) for i in range(spec.num_layers)):      # the sliding layers' own base
+        if any(p.rope == "local" for p in self.plans):       # the sliding layers' own base
             lc, ls = rope_tables(cfg, spec.max_positions, local=True)
             local_rope = tuple(g.op("Unsqueeze", [g.op("Gather", [g.init(nm, tab), "position_ids"]), g.i64(2)])
                                for nm, tab in (("rope_local_cos", lc), ("rope_local_sin", ls)))
@@ -310,7 +308,7 @@ class _Decoder:
         qk, v = self.qkv(i, hn)
         q, k = self.rotary(i, qk, tables)
         if self.spec.plugins:                         # q [B,T,Hq,D], k and v [B,T,Hkv,D]
-            o = self.attention.layer(i, q, k, v, self.outputs, self.windows[i])   # q scaled and rotated above
+            o = self.attention.layer(i, q, k, v, self.outputs, self.plans[i])   # q scaled and rotated above
         else:
             o = self.standard_attention(i, q, k, v, tables)
         y = self.lin(o, f"l{i}.o", _weight(self.t(i, "o"), self.spec.weights))
@@ -319,8 +317,11 @@ class _Decoder:
     def qkv(self, i: int, hn: str) -> tuple[str, str]:
         """Layer i's fused q/k/v projection -> q and k [B, T, Hq + Hkv, D] (q scaled, both normed
         where the model norms them), v [B, T, Hkv, D]."""
-        g, cfg, spec, t = self.g, self.cfg, self.spec, lambda n: self.t(i, n)
-        nh, nkv, d, wscale = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.wscale
+        g, cfg, spec, plan, t = self.g, self.cfg, self.spec, self.plans[i], lambda n: self.t(i, n)
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
+        # q norm's weight
+        wscale = 1.0 if plan.qk_norm else plan.q_scale
         # FP8 quantizes the runtime's unscaled weights and folds q's scale into their scales
         fold = spec.weights is WeightFormat.FP8 and wscale != 1.0
         wqkv = _cat([_weight(t("q"), spec.weights, 1.0 if fold else wscale), _weight(t("k"), spec.weights),
@@ -328,15 +329,15 @@ class _Decoder:
         rows = (np.concatenate([np.full(nh * d, wscale, np.float32), np.ones(2 * nkv * d, np.float32)])
                 if fold else None)
         bqkv = None
-        if cfg.attention_bias and self.has(i, "q_bias"):
+        if plan.qkv_bias and self.has(i, "q_bias"):
             bqkv = np.concatenate([t("q_bias").float32() * np.float32(wscale),
                                    t("k_bias").float32(), t("v_bias").float32()])
         qkv = g.op("Reshape", [self.lin(hn, f"l{i}.qkv", wqkv, bqkv, rows), g.i64(0, 0, nh + 2 * nkv, d)])
         qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
-        if cfg.qk_norm:                  # per-head norms of q and k (q's carries its scale)
+        if plan.qk_norm:                 # per-head norms of q and k (q's carries its scale)
             qn, kn = t("q_norm"), t("k_norm")
             qh, kh = g.op("Split", [qk, g.i64(nh, nkv)], n_out=2, axis=2)
-            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(cfg.scale))
+            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(plan.q_scale))
             qk = g.op("Concat", [self.rmsnorm(qh, qw), self.rmsnorm(kh, kn)], axis=2)
         return qk, v
 
@@ -344,7 +345,7 @@ class _Decoder:
         """Rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at
         once -> q [B,T,Hq,D], k [B,T,Hkv,D]."""
         g, cfg, d = self.g, self.cfg, self.cfg.head_dim
-        c, sn = tables.local_rope if tables.local_rope and cfg.local_rope(i) else tables.rope
+        c, sn = tables.local_rope if self.plans[i].rope == "local" else tables.rope
         x1, x2 = g.op("Split", [qk, g.i64(d // 2, d // 2)], n_out=2, axis=3)
         r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, sn])])
         r2 = g.op("Add", [g.op("Mul", [x2, c]), g.op("Mul", [x1, sn])])
@@ -369,8 +370,8 @@ class _Decoder:
         g.op("Concat", [past_k, k], axis=2, outputs=[pres_k])
         g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
         scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
-        if cfg.attn_logit_softcap:        # Gemma-2: cap tanh(scores / cap), before the mask
-            scores = _softcap(g, scores, cfg.attn_logit_softcap)
+        if self.plans[i].attn_softcap:     # Gemma-2: cap tanh(scores / cap), before the mask
+            scores = _softcap(g, scores, self.plans[i].attn_softcap)
         s = g.op("Add", [scores, tables.bias_local if self.windows[i] else tables.bias])   # [B, Hkv, G*T, S]
         e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
         e64 = g.op("Cast", [e], to=TensorProto.DOUBLE)
@@ -381,8 +382,8 @@ class _Decoder:
                                      perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
 
     def residual(self, i: int, x: str, y: str, post_norm: str) -> str:
-        """x + y, or x + norm(y) where the architecture norms a block's output (Gemma)."""
-        return self.g.op("Add", [x, self.rmsnorm(y, self.t(i, post_norm)) if self.has(i, post_norm) else y])
+        """x + y, or x + norm(y) where the layer norms a block's output (LayerPlan.post_norms: Gemma)."""
+        return self.g.op("Add", [x, self.rmsnorm(y, self.t(i, post_norm)) if self.plans[i].post_norms else y])
 
     def mlp(self, i: int, x: str) -> str:
         """x + down(act(gate(norm x)) * up(norm x)): layer i's gated MLP (SwiGLU, or GeGLU with tanh
@@ -392,7 +393,7 @@ class _Decoder:
         wgu = _cat([_weight(self.t(i, "gate"), fmt), _weight(self.t(i, "up"), fmt)])
         gate, up = g.op("Split", [self.lin(hn, f"l{i}.gate_up", wgu),
                                   g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
-        if cfg.activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        if self.plans[i].activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
             cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
             inner = g.op("Mul", [g.op("Add", [gate, g.op("Mul", [cube, g.f32(0.044715)])]),
                                  g.f32(float(np.sqrt(2.0 / np.pi)))])

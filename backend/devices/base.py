@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from backend.config import RuntimeOptions
-from backend.manifest import Device, DraftEntry, EngineFile, EngineManifest, ModelConfig, WeightFormat
+from backend.manifest import FEATURES, Device, DraftEntry, EngineFile, EngineManifest, ModelConfig, WeightFormat
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ class EngineBackend(ABC):
     defaults: tuple[WeightFormat, ...] = ()     # built when --weights is not given
     any_feature_layers: bool = False            # runs any EAGLE-3 feature layers (not baked in a graph)
     # what its engines implement of the model description beyond the Llama layer
-    # (manifest.ModelConfig.features): a model using anything else is refused before a build
-    model_features: frozenset[str] = frozenset()
+    # (manifest.FEATURES, each engine interpreting ModelConfig.plan): a model using anything
+    # else is refused before a build; every backend here implements them all
+    model_features: frozenset[str] = frozenset(FEATURES)
     options: type[BuildOptions] | None = None   # its build options (flags), read with ctx.option
 
     def unsupported(self, model) -> list[str]:

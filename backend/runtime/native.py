@@ -254,25 +254,30 @@ class NativeModel:
                             if name in t else _Matrix(None, 0, 0, 0, 0))
         n = num_layers
         c = config
-        local = ("rope_local_cos" in t)
+        plans = c.plans(n)                       # each layer's steps (manifest.LayerPlan) as forward.c's records
+        uniform = {(p.activation, p.q_scale, p.attn_softcap) for p in plans}
+        assert len(uniform) == 1, f"forward.c runs one activation, q scale and soft-cap per model, not {uniform}"
+        (act, q_scale, attn_softcap), = uniform
 
         def layer(i: int) -> _Layer:
-            get = lambda name: _ptr(t.get(f"layers.{i}.{name}"))
+            p = plans[i]
+            get = lambda name, step=True: _ptr(t.get(f"layers.{i}.{name}")) if step else None
             fused = f"layers.{i}.qkv" in t
             qkv = [mat(f"layers.{i}.qkv"), mat(""), mat("")] if fused else \
                 [mat(f"layers.{i}.{p}") for p in ("q", "k", "v")]
             gu = [mat(f"layers.{i}.gate_up"), mat("")] if f"layers.{i}.gate_up" in t else \
                 [mat(f"layers.{i}.{p}") for p in ("gate", "up")]
-            rope = (_ptr(t["rope_local_cos"]), _ptr(t["rope_local_sin"])) if local and c.local_rope(i) else (None, None)
-            return _Layer(get("attn_norm"), get("mlp_norm"), get("qkv_bias"), get("hidden_norm"),
-                          get("q_norm"), get("k_norm"), get("post_attn_norm"), get("post_mlp_norm"),
-                          rope[0], rope[1], c.window(i), 0, (_Matrix * 3)(*qkv), (_Matrix * 2)(*gu),
+            rope = (_ptr(t["rope_local_cos"]), _ptr(t["rope_local_sin"])) if p.rope == "local" else (None, None)
+            return _Layer(get("attn_norm"), get("mlp_norm"), get("qkv_bias", p.qkv_bias), get("hidden_norm"),
+                          get("q_norm", p.qk_norm), get("k_norm", p.qk_norm), get("post_attn_norm", p.post_norms),
+                          get("post_mlp_norm", p.post_norms), rope[0], rope[1], p.window, 0,
+                          (_Matrix * 3)(*qkv), (_Matrix * 2)(*gu),
                           mat(f"layers.{i}.o"), mat(f"layers.{i}.down"))
 
         self.layers = (_Layer * n)(*[layer(i) for i in range(n)])
         self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.vocab_size, header["max_positions"], c.rms_norm_eps, c.scale,
-                             ACTIVATIONS[c.activation], c.embed_scale, c.final_logit_softcap, c.attn_logit_softcap,
+                             c.vocab_size, header["max_positions"], c.rms_norm_eps, q_scale,
+                             ACTIVATIONS[act], c.embed_scale, c.final_logit_softcap, attn_softcap,
                              wide_mask(wide), _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
                              mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
                              _ptr(t.get("fc_bias")))

@@ -179,7 +179,7 @@ class OrtRuntime:
         self._kv_shape = (config.num_kv_heads, config.head_dim)
         # the sliding layers' window, where the graph has them (graph.py attn_bias_local)
         has_local = any(i.name == "attn_bias_local" for i in self.session.get_inputs())
-        self._window = max(config.window(i) for i in range(num_layers)) if has_local else 0
+        self._window = max(p.window for p in config.plans(num_layers)) if has_local else 0
 
     # --- sequences ---------------------------------------------------------------------------
     def alloc(self, seq_id: int) -> None:

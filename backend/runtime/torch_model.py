@@ -1,7 +1,7 @@
-"""The decoder of the model description (manifest.ModelConfig) in torch, for the GPU runtime
-(torch_rt.py): the math of the ONNX graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for
+"""The decoder of the model description (manifest.ModelConfig, each layer read through its
+LayerPlan) in torch, for the GPU runtime (torch_rt.py): the math of the ONNX graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for
 Qwen2), q/k norms per head (Gemma-3), rotary by position (the sliding layers' own base where the
-model has one), GQA attention through the runtime's KV callback (q's multiplier cfg.scale, the
+model has one), GQA attention through the runtime's KV callback (q's multiplier plan.q_scale, the
 layer's sliding window, the scores' soft-cap), norms on the attention and MLP outputs (Gemma),
 SwiGLU or GeGLU (tanh GELU), the scaled embedding, the final norm and the logits' soft-cap; an
 EAGLE head first maps [embedding of x, target feature] through `fc`; an EAGLE-3 head
@@ -204,6 +204,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pad
 
 class _Layer:
     def __init__(self, t, i: int, cfg: ModelConfig, dtype, recipe: fp8.Recipe, hw_fp8: bool):
+        self.plan = plan = cfg.plan(i)                     # its steps (manifest.LayerPlan)
         def lin(names: list[str], key: str, bias: list[str] | None = None) -> Linear:
             w = torch.cat([t[f"layers.{i}.{n}"] for n in names])
             b = None
@@ -224,13 +225,14 @@ class _Layer:
         self.attn_norm = opt("attn_norm")                  # absent in an EAGLE-1/2 head's layer
         self.hidden_norm = opt("hidden_norm")              # an EAGLE-3 head's feature norm
         self.mlp_norm = t[f"layers.{i}.mlp_norm"].to(dtype)
-        # Gemma: norms of the attention's and the MLP's outputs (where the checkpoint has them,
-        # as graph.py), and q/k norms per head (where the model description says so)
-        self.post_attn_norm, self.post_mlp_norm = opt("post_attn_norm"), opt("post_mlp_norm")
-        self.q_norm = t[f"layers.{i}.q_norm"].to(dtype) if cfg.qk_norm else None
-        self.k_norm = t[f"layers.{i}.k_norm"].to(dtype) if cfg.qk_norm else None
-        self.qk_norm = torch.stack([self.q_norm, self.k_norm]) if cfg.qk_norm else None    # plugins/fused.py's
-        self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if cfg.attention_bias else None)
+        # Gemma: norms of the attention's and the MLP's outputs, and q/k norms per head (where the
+        # layer's plan has them)
+        post = (lambda n: t[f"layers.{i}.{n}"].to(dtype)) if plan.post_norms else (lambda n: None)
+        self.post_attn_norm, self.post_mlp_norm = post("post_attn_norm"), post("post_mlp_norm")
+        self.q_norm = t[f"layers.{i}.q_norm"].to(dtype) if plan.qk_norm else None
+        self.k_norm = t[f"layers.{i}.k_norm"].to(dtype) if plan.qk_norm else None
+        self.qk_norm = torch.stack([self.q_norm, self.k_norm]) if plan.qk_norm else None    # plugins/fused.py's
+        self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if plan.qkv_bias else None)
         self.o = lin(["o"], "o")
         self.gate_up = lin(["gate", "up"], "gate_up")
         self.down = lin(["down"], "down")
@@ -261,16 +263,13 @@ class TorchModel:
         self.fc = Linear(t["fc"], None, t["fc_bias"], self.dtype) if "fc" in t else None
         tab = lambda a: torch.from_numpy(a).to(device=device, dtype=torch.float32)
         self.rope = {False: tuple(map(tab, rope_tables(cfg, max_positions)))}        # (cos, sin)
-        self.local = [cfg.local_rope(i) for i in range(num_layers)]
+        self.local = [layer.plan.rope == "local" for layer in self.layers]
         if any(self.local):                      # the sliding layers' own base (Gemma-3)
             self.rope[True] = tuple(map(tab, rope_tables(cfg, max_positions, local=True)))
         # Gemma: sqrt(hidden), rounded to the compute dtype as transformers does (a device
         # tensor made here, not in a forward: a CUDA graph capture may not copy from the host)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=self.dtype, device=device)
                             if cfg.embed_scale != 1.0 else None)
-        self.scale = cfg.scale                   # q's multiplier, applied by the attention
-        self.windows = [cfg.window(i) for i in range(num_layers)]     # the attention's, per layer
-        self.softcap = cfg.attn_logit_softcap    # the attention scores' soft-cap (Gemma-2), 0: none
         # nodes per row from which a forward is prefill-sized: input-quantizing FP8 linears run the
         # hardware W8A8 GEMM there (None: W8A16 at every width); above the largest graph bucket
         self.w8a8_from: int | None = 33
@@ -371,12 +370,12 @@ class TorchModel:
                           cfg.num_kv_heads, k_cache, v_cache, wslot, wcol)
         o = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
         x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o, False, wide), layer.post_attn_norm)
-        return x, (layer.down(self._gated(layer.gate_up, hn, wide), False, wide), layer.post_mlp_norm)
+        return x, (layer.down(self._gated(layer, hn, wide), False, wide), layer.post_mlp_norm)
 
-    def _gated(self, lin: Linear, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def _gated(self, layer: _Layer, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """act(gate) * up of the gate_up linear: its epilogue (plugins/fused.py) where the linear
         runs the invariant kernels, else the torch ops."""
-        gelu = self.cfg.activation == "gelu_tanh"
+        lin, gelu = layer.gate_up, layer.plan.activation == "gelu_tanh"
         if lin.w8a16(wide) or (lin.kernel and not lin.fp8):
             from plugins import fused
 
@@ -417,7 +416,7 @@ class TorchModel:
         x = x + self._rmsnorm(layer.o(o, wide=wide), layer.post_attn_norm)
         gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm), wide=wide)
         g, u = gu.split(cfg.intermediate_size, -1)
-        a = F.gelu(g, approximate="tanh") if cfg.activation == "gelu_tanh" else F.silu(g)
+        a = F.gelu(g, approximate="tanh") if layer.plan.activation == "gelu_tanh" else F.silu(g)
         return x + self._rmsnorm(layer.down(a * u, wide=wide), layer.post_mlp_norm)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:

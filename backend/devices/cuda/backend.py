@@ -38,10 +38,6 @@ class CudaBackend(EngineBackend):
     formats = (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8)
     defaults = (WeightFormat.BF16, WeightFormat.FP8)
     any_feature_layers = True
-    # runtime/torch_model.py, and the tree-attention kernel's sliding window (plugins/kernels.py)
-    model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap",
-                                "attn_logit_softcap"})
     options = Fp8Options
 
     def environment(self, ctx):

@@ -50,9 +50,6 @@ class NativeBackend(EngineBackend):
     formats = (WeightFormat.GGUF,)
     defaults = (WeightFormat.GGUF,)
     any_feature_layers = True            # the kernel outputs whichever layers the runtime names
-    model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap",
-                                "attn_logit_softcap"})   # forward.c's flags
     options = NativeOptions
 
     def missing(self):

@@ -64,9 +64,6 @@ class OrtBackend(EngineBackend):
     device = Device.CPU
     formats = (WeightFormat.FP32, WeightFormat.Q4)
     defaults = (WeightFormat.FP32, WeightFormat.Q4)
-    model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap",
-                                "attn_logit_softcap"})   # build/graph.py
 
     def export_targets(self, ctx, formats):
         engines, timings = {}, {}

@@ -27,11 +27,6 @@ class TensorrtBackend(EngineBackend):
     device = Device.TENSORRT
     formats = (WeightFormat.FP32, WeightFormat.FP8)
     defaults = (WeightFormat.FP8,)
-    # build/graph.py's layer (the engine graph's), its attention plugin's sliding window
-    # (build/engine_graph.py, plugins/trt_plugins.py), FP8 calibrated by runtime/torch_model.py
-    model_features = frozenset({"gelu_tanh", "qk_norm", "post_norms", "sliding_window", "local_rope",
-                                "embed_scale", "attn_scale", "final_logit_softcap",
-                                "attn_logit_softcap"})
     options = Fp8Options                    # the GPU runtime's FP8 recipe, chosen the same way
 
     def environment(self, ctx):
