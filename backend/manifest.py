@@ -145,6 +145,18 @@ class ModelConfig:
             plain["rope_freq_factors"] = ()     # a GGUF's per-dimension factors fit the target's head dim only
         return dataclasses.replace(self, **{**plain, **changes})
 
+    def eagle_head(self, head: dict, vocab_size: int) -> "ModelConfig":
+        """An EAGLE head's description for this target (`head`: its config, DraftEntry.head): a
+        Llama layer (whatever the target's family: the EAGLE heads published and ours are Llama
+        layers reading the target's raw embedding rows and features) of the head's own shape, at
+        the target's width and global rope. The build records it in the head's manifest entry."""
+        return self.llama_layer(vocab_size=int(vocab_size), num_layers=1, tie_word_embeddings=False,
+                                attention_bias=False, num_heads=int(head["num_heads"]),
+                                num_kv_heads=int(head["num_kv_heads"]), head_dim=int(head["head_dim"]),
+                                intermediate_size=int(head["intermediate_size"]),
+                                rms_norm_eps=float(head.get("rms_norm_eps", self.rms_norm_eps)),
+                                rope_theta=float(head.get("rope_theta") or self.rope_theta))
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

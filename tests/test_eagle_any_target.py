@@ -1,5 +1,5 @@
 """EAGLE heads for any supported target (issue 27 point 4): a head is a Llama layer of its own
-shape (build/heads/eagle.head_config) reading the target's raw embedding rows and features, so it
+shape (ModelConfig.eagle_head) reading the target's raw embedding rows and features, so it
 serves a Gemma-3 target as well as a Llama one, and a head whose heads / head dim / MLP width differ
 from the target's loads too. Each: the head engine equals the torch head model, and greedy EAGLE
 speculation is token-identical to plain decoding on the native and ONNX engines."""

@@ -107,6 +107,19 @@ def test_ragged_rows_match_rows_alone_and_padding_is_not_computed(tiny):
     rt.close()
 
 
+def test_an_eagle_entry_written_before_its_shape_was_recorded_loads_the_same(tiny):
+    """A manifest whose EAGLE entry lacks the head's description (built before the build wrote
+    it) loads the head with the shape the build records today (ModelConfig.eagle_head)."""
+    from dataclasses import replace
+
+    from backend.devices import load_runtime
+
+    m, _, _ = tiny
+    d = m.drafts["eagle"]
+    old = m.with_updates(drafts={**m.drafts, "eagle": replace(d, model=None)})
+    assert d.model is not None and load_runtime(old, engine="eagle").config == d.model
+
+
 def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_path):
     """With gguf serving, the build puts the EAGLE head on the native kernel too (Q8_0 blocks,
     int8 activations): its draft-vocabulary argmax agrees with the float ONNX head's."""

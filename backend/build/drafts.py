@@ -77,7 +77,7 @@ def head_dir(spec: str) -> Path:
 def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarray, model: ModelConfig,
                 weights: str | None = None) -> DraftEntry:
     """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved;
-    `model`: the head's description (build/heads/eagle.head_config), which loading reads."""
+    `model`: the head's description (ModelConfig.eagle_head), which loading reads."""
     from backend.build.heads.formats import head_meta, read_head
 
     cfg, w = read_head(head)

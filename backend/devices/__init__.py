@@ -12,7 +12,7 @@ backend/engine_format.py; tests/test_layering.py).
 from __future__ import annotations
 
 from backend.config import RuntimeOptions
-from backend.devices.base import BuildContext, BuildOptions, EngineBackend, EngineRef, rebuild_command
+from backend.devices.base import BuildContext, BuildOptions, EngineBackend, EngineRef
 from backend.devices.cuda import CudaBackend
 from backend.devices.native import NativeBackend
 from backend.devices.onnx import OrtBackend
@@ -97,10 +97,9 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     if engine not in manifest.drafts:
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
     d = manifest.drafts[engine]
-    if d.kind == "eagle" and d.model is None:      # the head's shape is recorded by the build
-        raise ValueError(f"the EAGLE head in {manifest.root} was built before its shape was recorded in the "
-                         f"manifest: rebuild with `{rebuild_command(manifest)}` and the same --draft eagle:DIR")
-    cfg = d.model or manifest.model
+    cfg = d.model or manifest.model      # an EAGLE head's own shape is in its entry (the build writes it)
+    if d.kind == "eagle" and d.model is None:          # a manifest written before the build recorded it
+        cfg = manifest.model.eagle_head(d.head, d.draft_vocab_size)
     backend = backend_for(manifest.device, d.weights or manifest.default_format)
     ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, d.pad_single_token)
     return backend.load(manifest, ref, options)

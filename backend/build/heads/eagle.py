@@ -21,18 +21,6 @@ from backend.manifest import WeightFormat
 EAGLE_ONNX = "draft_eagle.onnx"
 
 
-def head_config(target, cfg: dict, vocab_size: int):
-    """The head's model description: a Llama layer (whatever the target's family: the EAGLE heads
-    published and ours are Llama layers reading the target's raw embedding rows and features) of
-    the head's own shape, at the target's width and global rope."""
-    return target.llama_layer(vocab_size=int(vocab_size), num_layers=1, tie_word_embeddings=False,
-                              attention_bias=False, num_heads=int(cfg["num_heads"]),
-                              num_kv_heads=int(cfg["num_kv_heads"]), head_dim=int(cfg["head_dim"]),
-                              intermediate_size=int(cfg["intermediate_size"]),
-                              rms_norm_eps=float(cfg.get("rms_norm_eps", target.rms_norm_eps)),
-                              rope_theta=float(cfg.get("rope_theta") or target.rope_theta))
-
-
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
     """The head (any layout build/heads/formats.py reads) as a 1-layer Checkpoint (vocab =
     draft vocabulary) and its vocab map [Vd]."""
@@ -50,7 +38,7 @@ def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.
                for k, v in w.items() if k != "draft_vocab" and not (eagle3 and k == "fc")}
     tensors["embed"] = target.tensor("embed")
     tensors["lm_head"] = SourceTensor("lm_head", "F32", head.shape, head)
-    config = head_config(target.config, cfg, vocab.size)
+    config = target.config.eagle_head(cfg, vocab.size)
     return Checkpoint(config, tensors, TokenizerSource(), str(head_dir)), vocab
 
 
