@@ -177,7 +177,7 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     print("starting tritonserver ...", flush=True)
     supervisor = Supervisor(server, on_event=lambda msg: print(msg, flush=True)).start()
-    front = _start_openai(args, repo / ENGINE_SUBDIR, server.grpc_url, supervisor)
+    front = _start_openai(args, repo / ENGINE_SUBDIR, server.http_url, supervisor)
     print(f"specdec is serving {repo}\n"
           f"  HTTP     http://{server.http_url}  (POST /v2/models/specdec/generate_stream)\n"
           f"  gRPC     {server.grpc_url}\n"
@@ -196,7 +196,7 @@ def cmd_serve(args) -> int:
     return 0 if rc in (0, None) else 1
 
 
-def _start_openai(args, engine_dir: Path, grpc_url: str, supervisor):
+def _start_openai(args, engine_dir: Path, triton_http_url: str, supervisor):
     """The OpenAI-compatible front door on --openai-port (None with --no-openai, or for a draft
     node's repository, which has no `specdec` model)."""
     from backend.serve.openai_api import OpenAIServer, front_for
@@ -204,7 +204,7 @@ def _start_openai(args, engine_dir: Path, grpc_url: str, supervisor):
     if args.no_openai or not (engine_dir / "manifest.json").exists():
         return None
     try:
-        return OpenAIServer(front_for(engine_dir, grpc_url), args.openai_port).start()
+        return OpenAIServer(front_for(engine_dir, triton_http_url), args.openai_port).start()
     except Exception:
         supervisor.stop()
         raise

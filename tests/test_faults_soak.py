@@ -35,7 +35,7 @@ def soak_front(soak_server, built_repo):
     from backend.serve.launcher import free_port
     from backend.serve.openai_api import OpenAIServer, front_for
 
-    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, soak_server.grpc_url), free_port()).start()
+    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, soak_server.http_url), free_port()).start()
     yield oa
     oa.stop()
 

@@ -37,7 +37,7 @@ def server(built_repo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(server, built_repo):
-    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, server.grpc_url), free_port()).start()
+    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, server.http_url), free_port()).start()
     yield oa
     oa.stop()
 
@@ -176,7 +176,7 @@ def full(built_repo, tmp_path_factory):
 
     repo = repo_with(built_repo, tmp_path_factory.mktemp("full") / "repo", max_active_batch=1, max_queue_size=1)
     srv = TritonServer(repo, log_file=repo.parent / "server.log").start()
-    oa = OpenAIServer(front_for(repo / ENGINE_SUBDIR, srv.grpc_url), free_port()).start()
+    oa = OpenAIServer(front_for(repo / ENGINE_SUBDIR, srv.http_url), free_port()).start()
     yield srv, oa
     oa.stop()
     assert srv.stop() == 0          # the refused streams left no relay thread behind (perf-notes §27)

@@ -1,69 +1,173 @@
-"""The front door's gRPC messages, built and read as protobufs (backend/serve/openai_triton): the
-request is byte for byte what tritonclient builds from the same fields, and a response reads as
-tritonclient's InferResult reads it (the text's bytes, the statistics' values and types)."""
+"""The front door's reader of Triton's HTTP `generate_stream` (backend/serve/openai_triton), against a
+stand-in that answers as Triton's HTTP door does (an SSE `data: {...}` line per response, a BYTES
+output's raw bytes in its JSON string, errors as `{"error": ...}`): the request is the fields as
+JSON, a character split between two responses is carried whole, the statistics come with the last
+piece, a finished answer's connection is reused, each kind of failure is told apart, and leaving
+the iterator early closes the connection (which is how Triton learns of a cancel)."""
 from __future__ import annotations
 
-import struct
+import asyncio
+import json
 
-import numpy as np
 import pytest
 
 from backend import triton_io
-from backend.serve import openai_triton as ot
-from backend.serve.client import grpc_inputs
+from backend.serve.launcher import free_port
+from backend.serve.openai_triton import TritonFailure, TritonHTTP
 
-pytest.importorskip("tritonclient.grpc")
-
-
-@pytest.mark.parametrize("fields", [
-    {"text_input": 'h\u00e9llo ["x"]', "apply_chat_template": True, "stream": True, "max_tokens": 64,
-     "temperature": 0.0, "top_p": 0.95, "random_seed": 2**63 + 5, "stop_words": ["a", "b\u00e9"], "top_k": 5,
-     "min_p": 0.1, "end_id": -1, "drafter": "eagle", "num_draft_tokens": 3},
-    {"text_input": "x", "stream": False}], ids=["every-field", "minimal"])
-def test_request_is_tritonclients(fields):
-    from tritonclient.grpc._utils import _get_inference_request
-
-    theirs = _get_inference_request(model_name="specdec", inputs=grpc_inputs(fields), model_version="",
-                                    request_id="openai-1", outputs=None, sequence_id=0, sequence_start=False,
-                                    sequence_end=False, priority=0, timeout=None, parameters=None)
-    assert ot.infer_request("specdec", fields, "openai-1").SerializeToString() == theirs.SerializeToString()
+pytest.importorskip("aiohttp")
+STATS = {"output_token_count": 3, "total_draft_tokens": 4, "total_accepted_draft_tokens": 2,
+         "acceptance_rate": 0.5, "mean_accepted_tokens": 1.5, "cached_prompt_tokens": 0}
 
 
-def _response(text: bytes, finish: bytes):
-    from tritonclient.grpc import service_pb2 as pb
-
-    r = pb.ModelInferResponse()
-
-    def add(name, dtype, arr):
-        o = r.outputs.add(name=name, datatype=dtype)
-        o.shape.extend(arr.shape)
-        r.raw_output_contents.append(b"".join(struct.pack("<I", len(x)) + x for x in arr.reshape(-1))
-                                     if dtype == "BYTES" else arr.tobytes())
-
-    add(triton_io.TEXT_OUTPUT, "BYTES", np.array([text], np.object_))
-    for k in triton_io.STAT_OUTPUTS:
-        if k == "finish_reason":
-            add(k, "BYTES", np.array([finish], np.object_))
-        elif k in ("acceptance_rate", "mean_accepted_tokens"):
-            add(k, "FP32", np.array([0.3], np.float32))
-        else:
-            add(k, "INT32", np.array([7 + len(k)], np.int32))
-    return r
+def event(text: bytes, finish: str = "") -> bytes:
+    """One response as Triton writes it: the text's bytes raw inside the JSON string."""
+    head = json.dumps({"model_name": "specdec", "model_version": "1", **STATS, "finish_reason": finish})
+    return b"data: " + head[:-1].encode() + b', "text_output": "' + text + b'"}\n\n'
 
 
-@pytest.mark.parametrize("finish", [b"", b"length"])
-def test_response_reads_as_infer_result(finish):
-    from tritonclient.grpc import InferResult
+def error(message: str) -> bytes:
+    return b"data: " + json.dumps({"error": message}).encode() + b"\n\n"
 
-    r = _response(" caf\u00e9".encode()[:-1], finish)       # a piece ending inside a character
-    res = InferResult(r)
 
-    def scalar(name):
-        v = np.asarray(res.as_numpy(name)).reshape(-1)[0]
-        return v.decode() if isinstance(v, bytes) else v.item()
+class FakeTriton:
+    """An aiohttp server at /v2/models/specdec/generate_stream playing one scripted answer per request."""
 
-    outputs = ot._outputs(r)
-    assert ot._read(outputs, triton_io.TEXT_OUTPUT) == bytes(res.as_numpy(triton_io.TEXT_OUTPUT).reshape(-1)[0])
-    assert ot._read(outputs, "finish_reason") == finish
-    stats, expected = ot._stats(outputs), {k: scalar(k) for k in triton_io.STAT_OUTPUTS}
-    assert stats == expected and [type(v) for v in stats.values()] == [type(v) for v in expected.values()]
+    def __init__(self):
+        self.port = free_port()
+        self.bodies: list[dict] = []
+        self.peers: list[tuple] = []
+        self.gone = asyncio.Event()
+        self.answer = None
+
+    async def handle(self, request):
+        from aiohttp import web
+
+        self.bodies.append(await request.json())
+        self.peers.append(request.transport.get_extra_info("peername"))
+        status, events, end = self.answer
+        if events is None:                                   # Triton's own refusal, before the model
+            return web.json_response({"error": "Request for unknown model: 'specdec' is not ready"}, status=status)
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        try:
+            for e in events:
+                await resp.write(e)
+                await asyncio.sleep(0.01)
+            if end == "hang":
+                while True:
+                    await resp.write(event(b"."))
+                    await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            self.gone.set()
+            raise
+        if end == "eof":
+            await resp.write_eof()
+        return resp
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v2/models/specdec/generate_stream", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+async def collect(triton: TritonHTTP, fields: dict):
+    pieces = []
+    async for p in triton.generate("specdec", fields):
+        pieces.append(p)
+    return pieces
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_pieces_carry_a_split_character_and_the_connection_is_reused():
+    fields = {"text_input": '[{"role": "user", "content": "h\u00e9"}]', "apply_chat_template": True, "stream": True,
+              "temperature": 0.0, "random_seed": 2**64 - 1, "stop_words": ["a", "b"], "end_id": -1}
+    cafe = " caf\u00e9".encode()
+
+    async def main():
+        async with FakeTriton() as fake:
+            triton = TritonHTTP(f"127.0.0.1:{fake.port}")
+            await triton.open()
+            try:
+                fake.answer = (200, [event(b"Hi,"), event(cafe[:-1]), event(cafe[-1:] + b' \\"ok\\"\\n', "length")],
+                               "eof")
+                first = await collect(triton, fields)
+                await asyncio.sleep(0.1)                    # the tail is read in the background
+                fake.answer = (200, [event(b"x", "stop")], "eof")
+                second = await collect(triton, {"text_input": "x"})
+            finally:
+                await triton.close()
+            return fake, first, second
+
+    fake, first, second = run(main())
+    assert fake.bodies == [fields, {"text_input": "x"}]
+    assert [p.text for p in first] == ["Hi,", " caf", '\u00e9 "ok"\n']
+    assert [p.stats for p in first[:-1]] == [None, None]
+    assert first[-1].stats == {**STATS, "finish_reason": "length"} and set(first[-1].stats) == set(triton_io.STAT_OUTPUTS)
+    assert second[-1].text == "x" and second[-1].stats["finish_reason"] == "stop"
+    assert fake.peers[0] == fake.peers[1], "a finished answer's connection goes back to the pool"
+
+
+@pytest.mark.parametrize("answer,unreachable,says", [
+    ((503, [error("unavailable: 1 requests are waiting (max_queue_size 1)")], "eof"), False, "unavailable:"),
+    ((200, [event(b"a"), error("boom")], "eof"), False, "boom"),
+    ((503, None, None), True, "not ready"),
+    ((200, [event(b"a")], "eof"), False, "without finishing"),
+], ids=["the-models-503", "error-mid-stream", "tritons-503", "no-finish"])
+def test_failures(answer, unreachable, says):
+    async def main():
+        async with FakeTriton() as fake:
+            fake.answer = answer
+            triton = TritonHTTP(f"127.0.0.1:{fake.port}")
+            await triton.open()
+            try:
+                with pytest.raises(TritonFailure) as e:
+                    await collect(triton, {"text_input": "x"})
+            finally:
+                await triton.close()
+            return e.value
+
+    err = run(main())
+    assert err.unreachable == unreachable and says in err.message, err.message
+
+
+def test_unreachable():
+    async def main():
+        triton = TritonHTTP(f"127.0.0.1:{free_port()}")
+        await triton.open()
+        try:
+            with pytest.raises(TritonFailure) as e:
+                await collect(triton, {"text_input": "x"})
+        finally:
+            await triton.close()
+        return e.value
+
+    assert run(main()).unreachable
+
+
+def test_leaving_early_closes_the_connection():
+    async def main():
+        async with FakeTriton() as fake:
+            fake.answer = (200, [event(b"a")], "hang")
+            triton = TritonHTTP(f"127.0.0.1:{fake.port}")
+            await triton.open()
+            try:
+                pieces = triton.generate("specdec", {"text_input": "x"})
+                assert (await anext(pieces)).text == "a"
+                await pieces.aclose()
+                await asyncio.wait_for(fake.gone.wait(), 10)
+            finally:
+                await triton.close()
+
+    run(main())

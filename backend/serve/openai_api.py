@@ -1,13 +1,14 @@
 """The OpenAI-compatible front door of `specdec serve`: /v1/models, /v1/completions, /v1/chat/completions.
 
-An aiohttp app that turns each request into one streamed request to the `specdec` Triton model over
-gRPC (openai_triton), so it holds no engine: only the tokenizer, to count the prompt's tokens for
-`usage` exactly as the model counts them (backend/triton_io.prompt_ids, chat template included),
-once the model has answered (a streamed request without `include_usage` never counts).
+An aiohttp app that turns each request into one streamed request to the `specdec` Triton model on
+Triton's HTTP `generate_stream`, read with aiohttp's client in the same event loop (openai_triton),
+so it holds no engine: only the tokenizer, to count the prompt's tokens for `usage` exactly as the
+model counts them (backend/triton_io.prompt_ids, chat template included), once the model has
+answered (a streamed request without `include_usage` never counts).
 A streamed answer waits for the model's first response before it sends its headers, so a refused
 input is an HTTP 400 there too; later errors arrive as an SSE `error` event. A client that goes
-away cancels its handler (aiohttp's handler_cancellation), which closes the Triton stream: the
-request is cancelled and the generator frees its slot.
+away cancels its handler (aiohttp's handler_cancellation), which closes the Triton request's
+connection: the request is cancelled and the generator frees its slot.
 Knows: HTTP, SSE, the server's lifetime in a thread of its own. Does not know: decoding.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from backend.config import RequestError
 from backend.errors import UserError
 from backend.serve import openai_protocol as proto
 from backend.serve.openai_protocol import ApiError, Call
-from backend.serve.openai_triton import Piece, TritonFailure, connect, generate
+from backend.serve.openai_triton import Piece, TritonFailure, TritonHTTP
 
 log = logging.getLogger("specdec.openai")
 TRITON_MODEL = "specdec"
@@ -70,11 +71,11 @@ def _drop(task: asyncio.Future | None) -> None:
 
 
 class Front:
-    """The request handlers: one gRPC channel to Triton, the tokenizer, the engine's context length."""
+    """The request handlers: Triton's HTTP door (host:port), the tokenizer, the engine's context length."""
 
-    def __init__(self, grpc_url: str, tokenizer, max_seq_len: int, model_ids: tuple[str, ...] = (proto.MODEL_ID,)):
-        self.grpc_url, self.tok, self.max_seq_len, self.model_ids = grpc_url, tokenizer, max_seq_len, model_ids
-        self.channel = self.stub = None
+    def __init__(self, triton_url: str, tokenizer, max_seq_len: int, model_ids: tuple[str, ...] = (proto.MODEL_ID,)):
+        self.triton = TritonHTTP(triton_url)
+        self.tok, self.max_seq_len, self.model_ids = tokenizer, max_seq_len, model_ids
         self.created = int(time.time())
 
     def app(self):
@@ -89,10 +90,10 @@ class Front:
         return app
 
     async def _connect(self, app) -> None:
-        self.channel, self.stub = connect(self.grpc_url)
+        await self.triton.open()
 
     async def _disconnect(self, app) -> None:
-        await self.channel.close()
+        await self.triton.close()
 
     async def models(self, request):
         from aiohttp import web
@@ -128,7 +129,7 @@ class Front:
         if "max_tokens" not in fields:             # up to the engine's context (vLLM's default)
             counting = self._count(call)
             fields["max_tokens"] = max(1, self.max_seq_len - await counting)
-        pieces = generate(self.stub, TRITON_MODEL, fields)
+        pieces = self.triton.generate(TRITON_MODEL, fields)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         try:
             piece = await self._next(pieces, call)
@@ -172,35 +173,41 @@ class Front:
         first = call.chat                         # a chat's first chunk names the role
         try:
             while True:
-                if piece.text or first:
-                    await resp.write(sse(proto.chunk(call, rid, created, piece.text, first=first)))
-                    first = False
-                if call.include_usage and counting is None:
-                    counting = self._count(call)   # after the first chunk: off the time to first token
+                text = sse(proto.chunk(call, rid, created, piece.text, first=first)) if piece.text or first else b""
+                first = False
                 if piece.stats is not None:
                     break
+                if text:
+                    await resp.write(text)
+                if call.include_usage and counting is None:
+                    counting = self._count(call)   # after the first chunk: off the time to first token
                 piece = await self._next(pieces, call)
-            await resp.write(sse(proto.chunk(call, rid, created, None, piece.stats)))
+            # the answer's end in one write (one send, not five: each costs ~0.1 ms of the cores the
+            # engine decodes on, perf-notes §27b): its last text, the finish, the usage, [DONE], the EOF
+            end = [text, sse(proto.chunk(call, rid, created, None, piece.stats))]
             if call.include_usage:
-                await resp.write(sse(proto.usage_chunk(call, rid, created, piece.stats, await counting)))
-            await resp.write(sse("[DONE]"))
+                if counting is None:
+                    counting = self._count(call)
+                end.append(sse(proto.usage_chunk(call, rid, created, piece.stats, await counting)))
+            end.append(sse("[DONE]"))
         except ApiError as err:                    # headers are gone: the error is an event
-            await resp.write(sse(err.body()))
+            end = [sse(err.body())]
         except ConnectionError:                    # the client left: the caller cancels the request
             return resp
         finally:
             _drop(counting)
-        await resp.write_eof()
+        await resp.write_eof(b"".join(end))
         return resp
 
 
-def front_for(engine_dir: str | Path, grpc_url: str) -> Front:
-    """The front door for the engines a repository serves (their tokenizer and context length)."""
+def front_for(engine_dir: str | Path, triton_http_url: str) -> Front:
+    """The front door for the engines a repository serves (their tokenizer and context length),
+    before the Triton whose HTTP door is at host:port."""
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
 
     manifest = EngineManifest.load(engine_dir)
-    return Front(grpc_url, Tokenizer.from_manifest(manifest), manifest.max_seq_len)
+    return Front(triton_http_url, Tokenizer.from_manifest(manifest), manifest.max_seq_len)
 
 
 class OpenAIServer:

@@ -8,7 +8,7 @@ no effect on the output (`METADATA`). Anything else is refused with OpenAI's err
 the field (HTTP 400), never silently dropped. A chat's messages travel as JSON text with
 `apply_chat_template`, the path Triton's own clients use, so both doors render the same prompt.
 Knows: the OpenAI request fields and response shapes, the model's input and statistics names.
-Does not know: HTTP, gRPC, tokens.
+Does not know: HTTP (on either side), tokens.
 """
 from __future__ import annotations
 
