@@ -13,8 +13,9 @@ each run by its own process against the same Triton) joins the rotation as a thi
 JSON adds `b_over_a`: the A/B of the two fronts measured alternated in one run.
 
 With `--grpc HOST:PORT` Triton's own gRPC stream (tritonclient, one client and stream for the
-run) joins too: the front speaks gRPC to Triton, so `triton_grpc` against `triton` splits what
-Triton's gRPC door costs from what the front itself costs.
+run) joins too (`triton_grpc` against `triton`: what Triton's gRPC door costs against its HTTP
+door; the front itself reads the HTTP door, perf-notes §27b). `--openai-b` naming the same front
+as `--openai` makes `b_over_a` an A/A control of the front.
 
 The HTTP doors are read with the same plain HTTP client (http.client, server-sent events), so client
 libraries add nothing to either side. Per door: time to first token (first non-empty text piece),
