@@ -43,9 +43,12 @@ class _Matrix(ctypes.Structure):
     _fields_ = [("data", _P), ("type", _I32), ("rows", _I32), ("cols", _I32), ("pad_", _I32)]
 
 
+MAX_NORMS = 8        # forward.c SD_MAX_NORMS: sd_layer.norms, named by sd_norm_names()
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P), ("hidden_norm", _P),
-                ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_mlp_norm", _P),
+                ("norms", _P * MAX_NORMS),
                 ("rope_cos", _P), ("rope_sin", _P), ("window", _I32), ("pad_", _I32),
                 ("qkv", _Matrix * 3), ("gate_up", _Matrix * 2), ("o", _Matrix), ("down", _Matrix)]
 
@@ -182,7 +185,7 @@ class NativeABIError(UserError, RuntimeError):
 
 def expected_abi() -> dict[str, int]:
     """What this side was written against, in sd_abi's order (forward.c)."""
-    return {"abi version": 5, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
+    return {"abi version": 6, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
             "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
             "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
             **kernel_abi()}
@@ -203,6 +206,16 @@ def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
         wrong.append(f"{count} ABI fields there, {len(expected)} here")
     if wrong:
         raise NativeABIError(f"the native kernel {path} does not match this specdec ({'; '.join(wrong)}); {how}")
+
+
+def norm_names() -> tuple[str, ...]:
+    """The optional per-layer norms the kernel applies, in sd_layer.norms' order (forward.c): the
+    engine file's "layers.<i>.<name>" tensors the exporter writes and the loader points at."""
+    lib = library()
+    lib.sd_norm_names.restype = ctypes.c_char_p
+    names = tuple(lib.sd_norm_names().decode().split(","))
+    assert len(names) <= MAX_NORMS, names
+    return names
 
 
 def isa() -> str:
@@ -258,6 +271,7 @@ class NativeModel:
         uniform = {(p.activation, p.q_scale, p.attn_softcap) for p in plans}
         assert len(uniform) == 1, f"forward.c runs one activation, q scale and soft-cap per model, not {uniform}"
         (act, q_scale, attn_softcap), = uniform
+        norms = norm_names()                     # the engine's optional norms (what the exporter wrote)
 
         def layer(i: int) -> _Layer:
             p = plans[i]
@@ -269,8 +283,7 @@ class NativeModel:
                 [mat(f"layers.{i}.{p}") for p in ("gate", "up")]
             rope = (_ptr(t["rope_local_cos"]), _ptr(t["rope_local_sin"])) if p.rope == "local" else (None, None)
             return _Layer(get("attn_norm"), get("mlp_norm"), get("qkv_bias", p.qkv_bias), get("hidden_norm"),
-                          get("q_norm", p.qk_norm), get("k_norm", p.qk_norm), get("post_attn_norm", p.post_norms),
-                          get("post_mlp_norm", p.post_norms), rope[0], rope[1], p.window, 0,
+                          (_P * MAX_NORMS)(*[get(name) for name in norms]), rope[0], rope[1], p.window, 0,
                           (_Matrix * 3)(*qkv), (_Matrix * 2)(*gu),
                           mat(f"layers.{i}.o"), mat(f"layers.{i}.down"))
 

@@ -28,14 +28,24 @@
 
 #include "kernels.h"
 
+/* The optional norms an architecture places in a layer, by the names the engine file gives them
+ * ("layers.<i>.<name>"): runtime/native.py fills sd_layer.norms[] in sd_norm_names()' order (NULL
+ * where the engine has none) and devices/native/export.py writes the ones a checkpoint has, so a
+ * new placement is a name here and its use below. */
+enum { SD_Q_NORM, SD_K_NORM, SD_POST_ATTN_NORM, SD_POST_MLP_NORM, SD_NORMS, SD_MAX_NORMS = 8 };
+static const char SD_NORM_NAMES[] = "q_norm,k_norm,post_attn_norm,post_mlp_norm";   /* SD_NORMS names, in order */
+_Static_assert(SD_NORMS <= SD_MAX_NORMS, "sd_layer.norms has room for SD_MAX_NORMS");
+
 /* What an architecture adds to the Llama layer is data here, read as flags (the model description,
- * backend/manifest.py ModelConfig): NULL norms are absent, window 0 is full attention. */
+ * backend/manifest.py ModelConfig, each layer's LayerPlan): NULL norms are absent, window 0 is full
+ * attention. */
 typedef struct {
     const float *attn_norm, *mlp_norm;   /* [H] */
     const float *qkv_bias;               /* [(Hq + 2 Hkv) D] or NULL */
     const float *hidden_norm;            /* [H] an EAGLE-3 head's feature norm, else NULL */
-    const float *q_norm, *k_norm;        /* [D] per-head norms of q and k before rotary (Gemma-3, Qwen3), or NULL */
-    const float *post_attn_norm, *post_mlp_norm;   /* [H] norms of the attention and MLP outputs (Gemma), or NULL */
+    const float *norms[SD_MAX_NORMS];    /* SD_Q_NORM, SD_K_NORM: [D] per-head norms of q and k before
+                                            rotary (Gemma-3, Qwen3); SD_POST_ATTN_NORM, SD_POST_MLP_NORM:
+                                            [H] norms of the attention and MLP outputs (Gemma); or NULL */
     const float *rope_cos, *rope_sin;    /* [max_pos, D/2] this layer's rotary tables; NULL: the model's */
     int32_t window, pad_;                /* sliding window (keys at positions > pos - window), 0: none */
     sd_matrix qkv[3];                    /* fused [q; k; v] in qkv[0] (qkv[1].data NULL), or q, k, v
@@ -255,8 +265,8 @@ static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const bu
     for (int r = 0; r < s->rows; r++) {
         float *qr = b->qkv + (size_t)r * nqkv;
         int64_t p = s->pos[r];
-        if (L->q_norm) rmsnorm_heads(qr, hq, d, L->q_norm, m->eps);
-        if (L->k_norm) rmsnorm_heads(qr + (size_t)hq * d, hkv, d, L->k_norm, m->eps);
+        if (L->norms[SD_Q_NORM]) rmsnorm_heads(qr, hq, d, L->norms[SD_Q_NORM], m->eps);
+        if (L->norms[SD_K_NORM]) rmsnorm_heads(qr + (size_t)hq * d, hkv, d, L->norms[SD_K_NORM], m->eps);
         rope(qr, hq + hkv, d, cos + p * (d / 2), sin + p * (d / 2));
         for (int kh = 0; kh < hkv; kh++) {
             store_f16(kv_at(c, m, l, 0, s->wslot[r], kh, s->wcol[r]), qr + (hq + kh) * d, d);
@@ -321,13 +331,13 @@ static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffer
     parts(L->qkv, 3, my, rows, b->qkv, nqkv, L->qkv_bias);
     attention(m, c, s, b, work, l);
     quantize_for(my, m, SD_WIDE_O, b->att, rows, hqd);
-    residual(L->o, L->post_attn_norm, m, my, rows, b);
+    residual(L->o, L->norms[SD_POST_ATTN_NORM], m, my, rows, b);
     rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
     quantize_for(my, m, SD_WIDE_GATE_UP, b->hn, rows, h);
     parts(L->gate_up, 2, my, rows, b->gu, 2 * inter, NULL);
     gated_rows(b->gu, rows, inter, m->act == SD_GELU_TANH, b->act);
     quantize_for(my, m, SD_WIDE_DOWN, b->act, rows, inter);
-    residual(L->down, L->post_mlp_norm, m, my, rows, b);
+    residual(L->down, L->norms[SD_POST_MLP_NORM], m, my, rows, b);
 }
 
 /* the final norm, the features out, the logits of the nodes that get them */
@@ -398,8 +408,9 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */
-#define SD_ABI_VERSION 5   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap;
-                              5: wide activations (sd_model.wide, sd_matmul's wide) */
+#define SD_ABI_VERSION 6   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap;
+                              5: wide activations (sd_model.wide, sd_matmul's wide); 6: sd_layer.norms
+                              by name (sd_norm_names) */
 int sd_abi(int64_t *out, int n) {
     int64_t v[8 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
                          sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace)};
@@ -407,6 +418,9 @@ int sd_abi(int64_t *out, int n) {
     for (int i = 0; i < n && i < count; i++) out[i] = v[i];
     return count;
 }
+
+/* the names of sd_layer.norms' entries, comma separated, in order */
+const char *sd_norm_names(void) { return SD_NORM_NAMES; }
 
 static int tiles_in_use;
 

@@ -25,8 +25,8 @@ from backend.devices.native.blocks import kind_of, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)
 from backend.manifest import EngineFile, WeightFormat
+from backend.runtime.native import norm_names
 
-NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")   # forward.c sd_layer's optional norms
 
 
 def _fused_or_apart(prefix: str, names: tuple[str, ...], parts) -> dict:
@@ -65,7 +65,7 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
         if f"layers.{i}.hidden_norm" in ck.tensors:          # an EAGLE-3 head's feature norm
             tensors[f"layers.{i}.hidden_norm"] = f32(t("hidden_norm").float32())
         tensors[f"layers.{i}.mlp_norm"] = f32(t("mlp_norm").float32())
-        for name in NORMS:                                   # what the architecture adds (ModelConfig)
+        for name in norm_names():                            # what the architecture adds (forward.c's names)
             if f"layers.{i}.{name}" in ck.tensors:
                 tensors[f"layers.{i}.{name}"] = f32(t(name).float32())
         tensors.update(_fused_or_apart(f"layers.{i}", ("q", "k", "v"), [t("q"), t("k"), t("v")]))
