@@ -15,6 +15,7 @@ Knows: slots, columns, paths. Does not know: tensors, devices.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,7 @@ class _Seq:
     paths: list[list[int]] = field(default_factory=list)  # scratch node -> its path (scratch ids)
 
 
-class SlotSequences:
+class SlotSequences(ABC):
     """The Runtime protocol's sequence methods for a runtime whose KV bookkeeping is a
     SlotTable in `self.slots` (the torch and engine runtimes)."""
 
@@ -52,9 +53,10 @@ class SlotSequences:
         self.prefix_cache = PrefixCache(self.block_storage(), budget_bytes, block) if budget_bytes > 0 else None
         return self.prefix_cache
 
+    @abstractmethod
     def block_storage(self):
-        """The runtime's prefix_cache.BlockStorage (runtime/slot_blocks.SlotBlocks)."""
-        raise NotImplementedError
+        """The runtime's prefix_cache.BlockStorage (runtime/slot_blocks.SlotBlocks): each slot
+        runtime (native, torch, engine) gives its own; one without cannot be made."""
 
     def length(self, seq_id: int) -> int:
         return self.slots.length(seq_id)

@@ -119,6 +119,18 @@ def test_pieces_carry_a_split_character_and_the_connection_is_reused():
     assert fake.peers[0] == fake.peers[1], "a finished answer's connection goes back to the pool"
 
 
+async def failure(url: str) -> TritonFailure:
+    """The TritonFailure one request to Triton at `url` raises."""
+    triton = TritonHTTP(url)
+    await triton.open()
+    try:
+        with pytest.raises(TritonFailure) as e:
+            await collect(triton, {"text_input": "x"})
+    finally:
+        await triton.close()
+    return e.value
+
+
 @pytest.mark.parametrize("answer,unreachable,says", [
     ((503, [error("unavailable: 1 requests are waiting (max_queue_size 1)")], "eof"), False, "unavailable:"),
     ((200, [event(b"a"), error("boom")], "eof"), False, "boom"),
@@ -129,31 +141,14 @@ def test_failures(answer, unreachable, says):
     async def main():
         async with FakeTriton() as fake:
             fake.answer = answer
-            triton = TritonHTTP(f"127.0.0.1:{fake.port}")
-            await triton.open()
-            try:
-                with pytest.raises(TritonFailure) as e:
-                    await collect(triton, {"text_input": "x"})
-            finally:
-                await triton.close()
-            return e.value
+            return await failure(f"127.0.0.1:{fake.port}")
 
     err = run(main())
     assert err.unreachable == unreachable and says in err.message, err.message
 
 
 def test_unreachable():
-    async def main():
-        triton = TritonHTTP(f"127.0.0.1:{free_port()}")
-        await triton.open()
-        try:
-            with pytest.raises(TritonFailure) as e:
-                await collect(triton, {"text_input": "x"})
-        finally:
-            await triton.close()
-        return e.value
-
-    assert run(main()).unreachable
+    assert run(failure(f"127.0.0.1:{free_port()}")).unreachable
 
 
 def test_leaving_early_closes_the_connection():

@@ -28,15 +28,14 @@ class BuildOptions:
     """A backend's own build options, declared by it (EngineBackend.options): a frozen dataclass
     whose fields are its `specdec build` flags (`--field-name`; the field's metadata gives "help"
     and "choices"), checked when made (__post_init__ raises UserError naming the flag). The build
-    hands each backend its own; two backends may share one class (cuda and tensorrt: FP8)."""
+    hands each backend its own; two backends may share one class (cuda and tensorrt: FP8), whose
+    flags are added once (devices.OPTIONS lists each class once)."""
 
     @classmethod
     def add_args(cls, parser) -> None:
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if flag not in parser._option_string_actions:          # a class two backends share: once
-                parser.add_argument(flag, default=f.default, help=f.metadata.get("help"),
-                                    choices=f.metadata.get("choices"))
+            parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata.get("help"),
+                                choices=f.metadata.get("choices"))
 
     @classmethod
     def from_args(cls, args):

@@ -16,6 +16,7 @@ Knows: the C entry points and their structs, slots. Does not know: sampling, dra
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import importlib.util
 import threading
@@ -208,6 +209,7 @@ def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
         raise NativeABIError(f"the native kernel {path} does not match this specdec ({'; '.join(wrong)}); {how}")
 
 
+@functools.cache
 def norm_names() -> tuple[str, ...]:
     """The optional per-layer norms the kernel applies, in sd_layer.norms' order (forward.c): the
     engine file's "layers.<i>.<name>" tensors the exporter writes and the loader points at."""
