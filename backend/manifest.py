@@ -228,6 +228,8 @@ class EngineFile:
     # FP8 engines: the recipe the build chose (runtime/fp8.py Recipe.to_json under "recipe") and
     # how: "chosen_by" ("measured" | "--fp8-recipe"), the quality bar, every candidate measured
     # (top-1 agreement and KL against fp32 on the calibration prompts; devices/cuda/fp8_choice.py);
+    # a torch engine's "w8a8": from which forward width its GPU runs the W8A8 GEMM, as measured
+    # there, or null and why (devices/cuda/w8a8.py);
     # None for other formats and manifests written before recipes (per-channel, per-tensor)
     fp8: dict | None = None
     # gguf engines (the native kernel): the matrix families whose inputs are wide activations

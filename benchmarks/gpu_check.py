@@ -78,7 +78,8 @@ STEPS = {
                    "Triton linear, bf16 by cuBLAS (torch's linear) beside it, W8A16 (every linear weight-only, "
                    "plugins/kernels.linear_w8, what the GPU's invariant mode runs for every FP8 engine at decode "
                    "and verify widths) and each FP8 recipe as W8A8 (torch._scaled_mm where it runs, else "
-                   "emulated; batch 1, 8)",
+                   "emulated; batch 1, 8); for the first recipe torch._scaled_mm runs, W8A8 vs W8A16 by "
+                   "prefill width (devices/cuda/w8a8.py: what sets an FP8 engine's w8a8_from)",
                    "best native FP8 (hardware recipe or W8A16) >= 1.5x bf16 at batch 1",
                    "plugins/kernels.py linear_w8_kernel; backend/runtime/torch_model.py Linear._scaled_mm; "
                    "backend/runtime/fp8.py quantize_input", 70),
@@ -210,13 +211,17 @@ class Run:
             [f"layers.{i}.{k}" for i in range(n) for k in ("qkv", "o", "gate_up", "down")])
         formats = [("bf16", "bf16", None, None), ("bf16_cublas", "bf16", None, False), ("w8a16", "fp8", w8a16, None),
                    *((r.name, "fp8", r, False) for r in fp8.RECIPES)]   # W8A8: invariant mode runs W8A16
-        r, last = {}, 0.0
+        r, last, width = {}, 0.0, None
         for name, fmt, rec, invariant in formats:
             if time.time() + 1.5 * last > deadline:
                 r[name] = {"skipped": "time budget"}
                 continue
             t0 = time.time()
-            r[name] = self.T.decode_speed(self.plan, fmt, rec, invariant, bw=self.bw, log=self.log)
+            # the first W8A8 recipe torch._scaled_mm runs also measures the build's W8A8 width
+            wmax = None if width is not None or invariant is not False else (64 if self.dry else 2048)
+            r[name] = self.T.decode_speed(self.plan, fmt, rec, invariant, bw=self.bw, log=self.log, w8a8_max=wmax)
+            if r[name]["hardware_fp8"] and "w8a8_width" in r[name]:
+                width = r[name]["w8a8_width"]
             last = time.time() - t0
         base = r["bf16"]["b1_tokens_per_s"]
         speedups = {k: round(v["b1_tokens_per_s"] / base, 3) for k, v in r.items()
@@ -225,7 +230,8 @@ class Run:
                  for b in (1, 8)]
         # run natively: torch._scaled_mm's recipes, and W8A16 by its own kernel (not an emulation)
         best = max((s for k, s in speedups.items() if k == "w8a16" or r[k]["hardware_fp8"]), default=0.0)
-        return {"speedup_b1": speedups, "by_format": r, "roofline": lines}, best >= 1.5
+        return {"speedup_b1": speedups, "by_format": r, "roofline": lines,
+                "w8a8_width": width or "no recipe ran torch._scaled_mm here"}, best >= 1.5
 
     def spec_bench(self, t):
         gguf = self._gguf()

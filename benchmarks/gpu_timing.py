@@ -159,14 +159,21 @@ def cost_curve(plan: Plan, name: str, fmt: str = "bf16", batches=None, recipe=No
 
 
 def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invariant: bool | None = None,
-                 bw=None, log=print) -> dict:
+                 bw=None, log=print, w8a8_max: int | None = None) -> dict:
     """Plain decode (batch 1 and 8) on the 8B shape: tokens/s and each batch's `speed`; FP8 by
     `recipe`, with whether torch._scaled_mm runs it here (else emulated). invariant False: the
-    linears by torch (cuBLAS on a GPU), the row beside the Triton linear (the GPU's default)."""
+    linears by torch (cuBLAS on a GPU), the row beside the Triton linear (the GPU's default).
+    `w8a8_max`: also the build's W8A8-vs-W8A16 measurement by width up to it
+    (devices/cuda/w8a8.py: what sets an FP8 engine's w8a8_from), where the recipe runs in hardware."""
+    from backend.devices.cuda import w8a8
+
     cfg = plan.shapes["llama3-8b"]
     rt = runtime(cfg, random_tensors(cfg, fmt, plan.device, recipe), plan.device, slots=9, recipe=recipe,
                  invariant=invariant)
     out = {"hardware_fp8": rt.model.hw_fp8, "triton_linear": rt.model.invariant}
+    if w8a8_max is not None and recipe is not None:
+        out["w8a8_width"] = w8a8.measure(rt.model, w8a8_max, reps=3)
+        log(f"8B-shape W8A8 vs W8A16 by width ({recipe.label}): {out['w8a8_width']}")
     for b in (1, 8):
         prefill(rt, list(range(b)), prompt_ids(cfg, plan.context, b))
         row = measure(rt, plan, b, 1, plan.reps * 3, 0, bw, True)

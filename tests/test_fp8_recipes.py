@@ -326,3 +326,51 @@ def test_calibration_prompts_of_a_base_model_are_plain_text():
 
     prompts = calibration_prompts(Plain(), n=3, max_tokens=50)
     assert len(prompts) == 3 and all(p[0] == 2 and 1 < len(p) <= 50 for p in prompts)
+
+
+def test_the_fp8_build_records_its_w8a8_width_and_the_runtime_reads_it(built, tmp_path, monkeypatch):
+    """Built without a GPU: the width is not measured (null, and why) in the manifest and the
+    file, and the runtime runs W8A16 at every width. Measured (here on the CPU, the scaled GEMM
+    forced): the width the measurement chose goes into the file and the runtime uses it; a file
+    naming a decode or verify width is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from backend.build.checkpoint import load_checkpoint
+    from backend.devices import load_runtime
+    from backend.devices.cuda import export as torch_engine
+    from backend.manifest import WeightFormat
+    from backend.runtime import torch_model as TM
+    from backend.runtime.torch_rt import TorchRuntime
+
+    auto = built[0]
+    w = auto.engines["fp8"].fp8["w8a8"]
+    assert w["w8a8_from"] is None and "without a GPU" in w["reason"]
+    with safe_open(str(auto.resolve(auto.engine("fp8").path)), "pt") as f:
+        assert json.loads(f.metadata()["w8a8_from"]) is None
+    rt = load_runtime(auto, "fp8")
+    assert rt.model.w8a8_from is None
+    rt.close()
+
+    monkeypatch.setattr(TM, "hardware_fp8", lambda device, rec=None: True)
+    monkeypatch.setattr(TM.Linear, "_scaled_mm", lambda lin, x: TM.linear_rows(
+        fp8.fake_quant_input(x.float(), lin.recipe, lin.act_scale), fp8.dequantize_weight(*lin.wq, lin.recipe),
+        None, False).to(x.dtype))
+    ck = load_checkpoint(auto.source)
+    rec = fp8.recipe("channel-token")
+    measured = []
+
+    def width(tensors):
+        from backend.devices.cuda import w8a8
+        measured.append(w8a8.for_build(ck, tensors, rec, 2, 64, lambda m: None, device="cpu"))
+        return {**measured[-1], "w8a8_from": 64}          # whatever it measured, the file says 64
+    ef = torch_engine.export(ck, WeightFormat.FP8, 2, tmp_path, "w", None, rec, width)
+    assert [m["width"] for m in measured[0]["measured"]] == [33, 64]
+    assert ef.fp8["w8a8"]["w8a8_from"] == 64
+    assert TorchRuntime(tmp_path / ef.path, ck.config, 2, 64, device="cpu").model.w8a8_from == 64
+    t = load_file(str(tmp_path / ef.path))
+    with safe_open(str(tmp_path / ef.path), "pt") as f:
+        meta = f.metadata()
+    save_file(t, str(tmp_path / "bad.safetensors"), metadata={**meta, "w8a8_from": "16"})
+    with pytest.raises(ValueError, match="w8a8_from 16 is a decode or verify width"):
+        TorchRuntime(tmp_path / "bad.safetensors", ck.config, 2, 64, device="cpu")

@@ -107,3 +107,80 @@ def test_a_prefill_sized_forward_runs_the_hardware_w8a8_gemm_and_decode_does_not
     rt.model.w8a8_from = None
     rt.forward([0], rng.integers(3, 128, (1, 12)), np.arange(-1, 11, dtype=np.int32)[None], np.array([[11]]))
     assert calls == []
+
+
+def _forced_hardware(monkeypatch) -> list[int]:
+    """hardware_fp8 true and torch._scaled_mm emulated (its calls' widths recorded)."""
+    monkeypatch.setattr(TM, "hardware_fp8", lambda device, rec=None: True)
+    calls: list[int] = []
+
+    def scaled_mm(lin, x):
+        calls.append(x.shape[0])
+        xq = fp8.fake_quant_input(x.float(), lin.recipe, lin.act_scale)
+        return TM.linear_rows(xq, fp8.dequantize_weight(*lin.wq, lin.recipe), None, False).to(x.dtype)
+
+    monkeypatch.setattr(TM.Linear, "_scaled_mm", scaled_mm)
+    return calls
+
+
+def test_the_w8a8_width_is_the_smallest_from_which_it_is_faster_by_the_margin_at_every_larger():
+    from backend.devices.cuda import w8a8
+
+    row = lambda w, a, b: {"width": w, "w8a8_ms": a, "w8a16_ms": b}
+    assert w8a8.threshold([row(33, 2, 1), row(64, 3, 4), row(128, 5, 9)]) == 64
+    assert w8a8.threshold([row(33, 0.5, 1), row(64, 3, 2), row(128, 5, 9)]) == 128    # not at 64: not from 33
+    assert w8a8.threshold([row(33, 0.5, 1), row(64, 0.99, 1)]) is None                # within the margin
+    assert w8a8.threshold([]) is None
+    assert w8a8.FLOOR == 33 and min(w8a8.WIDTHS) == w8a8.FLOOR
+
+
+def test_the_build_measures_w8a8_against_w8a16_by_width_on_the_linears_the_gpu_runs(monkeypatch):
+    """w8a8.measure times every hardware linear both ways at each width from FLOOR (a fake timer
+    that runs the call and prices what ran: W8A8 cheaper from 512 rows), so W8A8 runs from 512;
+    below FLOOR nothing is measured; a weight-only engine has nothing to measure; the model's
+    mode is restored."""
+    from backend.devices.cuda import w8a8
+
+    calls = _forced_hardware(monkeypatch)
+    rt = _runtime_on_random_weights(torch.bfloat16, invariant=False, recipe=fp8.recipe("channel-token"))
+    seen = []
+
+    def timer(fn, reps, device):
+        calls.clear()
+        fn()
+        if calls:                                  # W8A8: every linear through the scaled GEMM
+            assert len(calls) == 8 and len(set(calls)) == 1
+            seen.append(("w8a8", calls[0]))
+            return 10 + 0.01 * calls[0]
+        w = seen[-1][1]
+        seen.append(("w8a16", w))
+        return 5 + 0.03 * w
+
+    r = w8a8.measure(rt.model, 2048, timer=timer)
+    assert [m["width"] for m in r["measured"]] == list(w8a8.WIDTHS)
+    assert seen == [(k, w) for w in w8a8.WIDTHS for k in ("w8a8", "w8a16")]
+    assert r["w8a8_from"] == 512 and r["linears"] == 8
+    assert rt.model.invariant is False
+    assert w8a8.measure(rt.model, 300, timer=timer)["w8a8_from"] is None
+    assert w8a8.measure(rt.model, 32, timer=timer)["reason"].startswith("max_seq_len 32")
+    every = [f"layers.{i}.{k}" for i in range(2) for k in FUSED]
+    weight_only = _runtime_on_random_weights(torch.bfloat16, invariant=False,
+                                             recipe=fp8.recipe("channel-token").with_weight_only(every))
+    assert "no linear" in w8a8.measure(weight_only.model, 2048, timer=timer)["reason"]
+
+
+def test_the_real_timer_runs_both_kernels_at_each_width(monkeypatch):
+    """The build's timer on this CPU (the host clock; the scaled GEMM emulated): every width
+    measured both ways with positive times, and the W8A16 row really through kernels.linear_w8."""
+    from backend.devices.cuda import w8a8
+
+    calls = _forced_hardware(monkeypatch)
+    rt = _runtime_on_random_weights(torch.bfloat16, invariant=True, recipe=fp8.recipe("channel-token"))
+    w8 = []
+    real = K.linear_w8
+    monkeypatch.setattr(K, "linear_w8", lambda x, *a, **k: w8.append(x.shape[0]) or real(x, *a, **k))
+    r = w8a8.measure(rt.model, 64, reps=1)
+    assert [m["width"] for m in r["measured"]] == [33, 64]
+    assert all(m["w8a8_ms"] > 0 and m["w8a16_ms"] > 0 for m in r["measured"])
+    assert sorted(set(calls)) == [33, 64] and sorted(set(w8)) == [33, 64]
+    assert r["w8a8_from"] in (None, 33, 64) and rt.model.invariant is True

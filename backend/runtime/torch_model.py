@@ -25,8 +25,9 @@ build/checkpoint.py, in one of three formats:
           reads the FP8 codes and block scales (the bits of the bf16 weights they stand for), the
           input unquantized, no input-quantization launch, a row's bits independent of M; the
           recipe's W8A8 runs only in a forward of `w8a8_from` nodes per row or more (prefill
-          chunks) and only where the hardware GEMM runs it (torch._scaled_mm), since only there
-          can it be faster. Elsewhere (the CPU's emulation, `specdec quality`) the recipe as
+          chunks; the width from which the build measured it faster on this GPU,
+          devices/cuda/w8a8.py, else never) and only where the hardware GEMM runs it
+          (torch._scaled_mm), since only there can it be faster. Elsewhere (the CPU's emulation, `specdec quality`) the recipe as
           built, input quantization included: on a GPU the decode's error is then that of the
           weights alone, at most the measured one. The embedding, norms and LM head stay
           bf16/fp32.
@@ -271,8 +272,9 @@ class TorchModel:
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=self.dtype, device=device)
                             if cfg.embed_scale != 1.0 else None)
         # nodes per row from which a forward is prefill-sized: input-quantizing FP8 linears run the
-        # hardware W8A8 GEMM there (None: W8A16 at every width); above the largest graph bucket
-        self.w8a8_from: int | None = 33
+        # hardware W8A8 GEMM there (None: W8A16 at every width); the engine file's, as its build
+        # measured it (devices/cuda/w8a8.py; load_w8a8_from), above the largest graph bucket
+        self.w8a8_from: int | None = None
         self.invariant = device.type == "cuda"
         self.fused = True                        # the invariant mode's fused kernels (plugins/fused.py)
 
@@ -449,6 +451,26 @@ def load_recipe(path) -> fp8.Recipe | None:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     return fp8.Recipe.from_json(json.loads(meta["fp8_recipe"])) if "fp8_recipe" in meta else None
+
+
+def load_w8a8_from(path) -> int | None:
+    """From which forward width an FP8 engine file runs W8A8, as its build measured it on its GPU
+    (devices/cuda/w8a8.py; metadata "w8a8_from"); None (W8A16 at every width) where the file says
+    so or predates the measurement. A width a decode or verify step can have is refused: there a
+    verify would run other linears than the single steps it stands for."""
+    import json
+
+    from safetensors import safe_open
+
+    from backend.runtime.step_graph import WIDTH_BUCKETS
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    width = json.loads(meta["w8a8_from"]) if "w8a8_from" in meta else None
+    if width is not None and (not isinstance(width, int) or width <= WIDTH_BUCKETS[-1]):
+        raise ValueError(f"{path}: w8a8_from {width!r} is a decode or verify width (<= {WIDTH_BUCKETS[-1]}): "
+                         "rebuild the engine")
+    return width
 
 
 def numpy_of(x: torch.Tensor) -> np.ndarray:

@@ -31,7 +31,7 @@ from backend.manifest import ModelConfig
 from backend.runtime import step_graph
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
 from backend.runtime.slot_blocks import SlotBlocks
-from backend.runtime.torch_model import TorchModel, load_recipe, load_tensors
+from backend.runtime.torch_model import TorchModel, load_recipe, load_tensors, load_w8a8_from
 
 
 class TorchRuntime(SlotSequences):
@@ -49,10 +49,13 @@ class TorchRuntime(SlotSequences):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if options.threads and self.device.type == "cpu":
             torch.set_num_threads(options.threads)
+        w8a8_from = None
         if tensors is None:
             tensors, fp8_recipe = load_tensors(engine_path), load_recipe(engine_path)
+            w8a8_from = load_w8a8_from(engine_path)
         self.model = TorchModel(config, tensors, num_layers, self.device, max_seq_len, dtype, feature_layers,
                                 fp8_recipe)
+        self.model.w8a8_from = w8a8_from
         self.capacity = options.max_sequences or (64 if self.device.type == "cuda" else 16)
         kv_dtype = self.model.dtype
         self.columns = max_seq_len + SCRATCH_COLUMNS

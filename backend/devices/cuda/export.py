@@ -5,7 +5,8 @@ FP8: the recipe (runtime/fp8.py: how weights and linear inputs are scaled) is ch
 quality (devices/cuda/fp8_choice.py) or named by `--fp8-recipe`, written into the file's metadata and
 the manifest (EngineFile.fp8); the static recipe's input scales are amax / 448 over calibration
 prompts run through the fp32 model (build/calibration.py); the weights' FP8 math is
-build/fp8.py (shared with the tensorrt device). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
+build/fp8.py (shared with the tensorrt device); from which forward width the GPU runs the
+recipe's W8A8 GEMM instead of W8A16 is measured on the GPU at build (w8a8.py). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
 Knows: checkpoints, the engine file layout, which GPU this is. Does not know: serving.
 """
 from __future__ import annotations
@@ -35,15 +36,25 @@ def gpu_info() -> dict | None:
 
 
 def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path, stem: str,
-           act_scales: dict | None = None, recipe: fp8.Recipe | None = None) -> EngineFile:
-    """One engine file; an FP8 one names its recipe in the file's metadata (the runtime reads it)."""
+           act_scales: dict | None = None, recipe: fp8.Recipe | None = None,
+           w8a8=None) -> EngineFile:
+    """One engine file; an FP8 one names its recipe in the file's metadata (the runtime reads it).
+    `w8a8` (an FP8 target's): a callable given the engine tensors that returns w8a8.py's
+    measurement, whose width from which W8A8 runs goes into the metadata too; the EngineFile's
+    `fp8` then holds the measurement (the caller adds the recipe's report)."""
     from safetensors.torch import save_file
 
     path = Path(engine_dir) / f"{stem}.safetensors"
-    meta = {"fp8_recipe": json.dumps((recipe or fp8.LEGACY).to_json())} if fmt is WeightFormat.FP8 else None
-    save_file({k: v.contiguous() for k, v in engine_tensors(ck, fmt, num_layers, act_scales, recipe).items()},
-              str(path), metadata=meta)
-    return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size)
+    tensors = engine_tensors(ck, fmt, num_layers, act_scales, recipe)
+    meta, measured = None, None
+    if fmt is WeightFormat.FP8:
+        meta = {"fp8_recipe": json.dumps((recipe or fp8.LEGACY).to_json())}
+        if w8a8 is not None:
+            measured = w8a8(tensors)
+            meta["w8a8_from"] = json.dumps(measured["w8a8_from"])
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size,
+                      fp8=None if measured is None else {"w8a8": measured})
 
 
 def choose_recipe(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, act: dict, log,
@@ -79,19 +90,25 @@ def fp8_plan(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, choice
 
 
 def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, tokenizer_json: Path, log,
-               features: tuple[int, ...] = (), fp8_choice: str = "auto"):
+               features: tuple[int, ...] = (), fp8_choice: str = "auto", w8a8_device=None):
     """The target in every format (FP8: calibrated and its recipe chosen first) ->
     ({format: EngineFile}, {format: s}); `features`: EAGLE-3's layers, which the torch runtime
-    outputs (EngineFile.feature_layers)."""
+    outputs (EngineFile.feature_layers); `w8a8_device`: where the FP8 target's W8A8 width is
+    measured (w8a8.for_build: default this machine's GPU, none without one)."""
     import time
+
+    from backend.devices.cuda import w8a8
 
     act, recipe, report = fp8_plan(ck, max_seq_len, tokenizer_json, log, fp8_choice) \
         if WeightFormat.FP8 in formats else (None, None, None)
     engines, timings = {}, {}
     for fmt in formats:
         t0 = time.time()
-        ef = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act, recipe)
-        engines[fmt.value] = replace(ef, feature_layers=features, fp8=report if fmt is WeightFormat.FP8 else None)
+        width = (lambda t: w8a8.for_build(ck, t, recipe, ck.config.num_layers, max_seq_len, log, w8a8_device)) \
+            if fmt is WeightFormat.FP8 else None
+        ef = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act, recipe, width)
+        engines[fmt.value] = replace(ef, feature_layers=features,
+                                     fp8={**report, **ef.fp8} if fmt is WeightFormat.FP8 else None)
         timings[fmt.value] = time.time() - t0
     return engines, timings
 
