@@ -58,6 +58,40 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _row_invariant_matmul(a, b, dtype=None, **kw):
+    """numpy's matmul by einsum's own loops (no BLAS): every row of the result computed by the
+    same sequence of operations whatever its position among the rows."""
+    import numpy as np
+
+    return np.einsum("...mk,...kn->...mn", a, b, dtype=dtype, **kw)
+
+
+def row_invariant_interpreter() -> bool:
+    """In Triton's interpreter (the CPU's stand-in for the GPU) tl.dot is numpy's matmul, and some
+    CPUs' BLAS gives a row other bits at another position among the rows (OpenBLAS's
+    Haswell/Zen sgemm, measured on an AMD EPYC: rows 3-5, 9-11, 13-15 of 16), which a GPU's
+    MMA never does and every tile's result here relies on (a padded row sits elsewhere in its
+    tile). So the interpreter's numpy gets a matmul of fixed per-row order (einsum, ~2x numpy's
+    BLAS on a 16 x 64 x 64 tile). Applied once, where the interpreter runs; True if applied."""
+    if not interpreted():
+        return False
+    import types
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter.np, "matmul", None) is _row_invariant_matmul:
+        return True
+    proxy = types.ModuleType("numpy")
+    proxy.__dict__.update(np.__dict__)
+    proxy.matmul = _row_invariant_matmul
+    interpreter.np = proxy
+    return True
+
+
+row_invariant_interpreter()
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Every launcher's one launch (tests/test_gpu_launches.py counts the launches of a step
     by wrapping it)."""

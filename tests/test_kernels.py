@@ -58,6 +58,37 @@ def test_tree_attention_matches_the_reference(tree, hq, hkv, d, ctxs):
     assert np.abs(half - ref16).max() < 1e-3
 
 
+@pytest.mark.skipif(not K.interpreted(), reason="Triton's interpreter only (a GPU's MMA is row-invariant)")
+@pytest.mark.parametrize("m,k,n", [(16, 64, 64), (64, 32, 64), (16, 256, 128)])
+def test_the_interpreters_dot_gives_a_row_the_same_bits_at_any_position(m, k, n):
+    """tl.dot in the interpreter (numpy's matmul, made row-invariant by kernels.row_invariant_interpreter:
+    OpenBLAS's sgemm on an AMD EPYC gave rows 3-5, 9-11, 13-15 of 16 other bits elsewhere), in a
+    kernel: each row moved to every other position among random rows keeps its bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K_: tl.constexpr, N: tl.constexpr):
+        rm, rk, rn = tl.arange(0, M), tl.arange(0, K_), tl.arange(0, N)
+        a = tl.load(a_ptr + rm[:, None] * K_ + rk[None, :])
+        b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b, input_precision="ieee"))
+
+    def dot(a, b):
+        c = torch.empty(a.shape[0], b.shape[1])
+        dot_kernel[(1,)](a, b, c, a.shape[0], a.shape[1], b.shape[1])
+        return c
+
+    assert K.interpreted()
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    y = dot(a, b)
+    for r in range(m):
+        other = torch.randn(m, k, generator=g)
+        other[(r + 5) % m] = a[r]
+        assert torch.equal(dot(other, b)[(r + 5) % m], y[r]), r
+
+
 def test_tree_attention_bits_do_not_depend_on_t_or_where_the_path_sits():
     """One verify over a tree equals, bit for bit, single steps along each node's path with the
     path committed in order (the columns the path occupies and the other nodes do not matter)."""
