@@ -176,6 +176,9 @@ static inline void block_dot_halves(const __m512i *wv, const int8_t *q, __m512i 
     *s1 = _mm512_add_epi32(s[2], s[3]);
 }
 
+/* dpbusd sums the whole u8 range exactly */
+static inline __m512i block_dot_u8(const __m512i *wv, const int8_t *q) { return block_dot(wv, q); }
+
 /* u += 16 where the bit plane says (the fifth bits of Q5_0, Q5_1, Q5_K); one pass has all lanes */
 static inline void add_planes(__m512i *wv, const uint8_t (*qh)[8], int pass) {
     (void)pass;
@@ -213,23 +216,19 @@ typedef __m256 vf;
 #define vi_slli16(v, n) _mm256_slli_epi16(v, n)
 #define vi_srli32(v, n) _mm256_srli_epi32(v, n)
 
-/* acc + the 8 sums of 4 products u8 x s8 */
+/* acc + the 8 sums of 4 products u8 x s8. Without VNNI (AVX2 alone: AMD Zen 1-3, Intel before
+   Ice Lake / Alder Lake): pairs by maddubs (u8 x s8 -> i16, saturating), then madd (i16 pairs ->
+   i32): exact where a pair fits i16, 2 * 127 * 128 < 32768, so for u <= 127, which every kind's
+   weight bytes are but Q8_0's offset bytes (block_dot_u8 splits those). The sums are the VNNI
+   dot's, so every output keeps its bits; the byte-at-a-time loop it replaces made the whole
+   forward ~10x slower on such machines (perf-notes section 34). */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    /* portable fallback (no VNNI): the same exact integer sums, one byte at a time */
-    uint8_t ub[32];
-    int8_t sb[32];
-    int32_t r[8];
-    _mm256_storeu_si256((__m256i *)ub, u);
-    _mm256_storeu_si256((__m256i *)sb, s);
-    _mm256_storeu_si256((__m256i *)r, acc);
-    for (int i = 0; i < 8; i++)
-        for (int e = 0; e < 4; e++) r[i] += (int32_t)ub[4 * i + e] * (int32_t)sb[4 * i + e];
-    return _mm256_loadu_si256((const __m256i *)r);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -262,6 +261,21 @@ static inline void block_dot_halves(const __m256i *wv, const int8_t *q, __m256i 
     *s1 = _mm256_add_epi32(s[2], s[3]);
 }
 
+/* block_dot for weight bytes of the whole u8 range (Q8_0's q + 128): where dot4 is exact only for
+   u <= 127, u = lo + 128 hi with lo = u & 127 and hi = u >> 7, two exact dots */
+static inline __m256i block_dot_u8(const __m256i *wv, const int8_t *q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+    return block_dot(wv, q);
+#else
+    __m256i lo[8], hi[8];
+    for (int c = 0; c < 8; c++) {
+        lo[c] = _mm256_and_si256(wv[c], _mm256_set1_epi8(0x7f));
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(wv[c], 7), _mm256_set1_epi8(1));
+    }
+    return _mm256_add_epi32(block_dot(lo, q), _mm256_slli_epi32(block_dot(hi, q), 7));
+#endif
+}
+
 /* u += 16 where half `pass` of the bit plane says: bit p of the plane's 32-bit half -> byte p */
 static inline void add_planes(__m256i *wv, const uint8_t (*qh)[8], int pass) {
     const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
@@ -290,11 +304,13 @@ static inline void rows_dm(const vi *wv, vf dw, vf mw, const act_q *a, int r0, i
     }
 }
 
-/* the zero-point kinds' rows: w = dw (u - zero) over block b */
+/* the zero-point kinds' rows: w = dw (u - zero) over block b; u spans 0 .. 2 zero - 1, so Q8_0's
+   (zero 128, a constant where inlined) takes block_dot_u8 */
 static inline void rows_dz(const vi *wv, vf dw, int zero, const act_q *a, int r0, int nr, int b, vf *accd) {
     for (int r = 0; r < nr; r++) {
         size_t row = (size_t)(r0 + r), at = row * (a->k / QBLOCK) + b;
-        vi s = block_dot(wv, a->q + row * a->k + (size_t)b * QBLOCK);
+        const int8_t *q = a->q + row * a->k + (size_t)b * QBLOCK;
+        vi s = zero > 64 ? block_dot_u8(wv, q) : block_dot(wv, q);
         float dx = a->d[at];
         s = vi_sub32(s, vi_set1_32(zero * a->sum[at]));
         accd[r] = vf_fmadd(vf_of_i32(s), vf_mul(dw, vf_set1(dx)), accd[r]);
