@@ -179,8 +179,8 @@ def test_the_real_timer_runs_both_kernels_at_each_width(monkeypatch):
     w8 = []
     real = K.linear_w8
     monkeypatch.setattr(K, "linear_w8", lambda x, *a, **k: w8.append(x.shape[0]) or real(x, *a, **k))
-    r = w8a8.measure(rt.model, 64, reps=1)
-    assert [m["width"] for m in r["measured"]] == [33, 64]
+    r = w8a8.measure(rt.model, 40, reps=1)               # the interpreter is slow: one width
+    assert [m["width"] for m in r["measured"]] == [33]
     assert all(m["w8a8_ms"] > 0 and m["w8a16_ms"] > 0 for m in r["measured"])
-    assert sorted(set(calls)) == [33, 64] and sorted(set(w8)) == [33, 64]
-    assert r["w8a8_from"] in (None, 33, 64) and rt.model.invariant is True
+    assert set(calls) == {33} and set(w8) == {33} and len(calls) == len(w8) == 2 * 8     # warm-up + 1 rep
+    assert r["w8a8_from"] in (None, 33) and rt.model.invariant is True
