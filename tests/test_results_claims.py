@@ -18,6 +18,7 @@ that holds its numbers, and carries its checks in an HTML comment (invisible whe
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -27,8 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
-NUMBER = re.compile(r"(?:(?<=x)|(?<![\w.]))(\d+\.\d+(?:\.\d+)*)")     # decimals, "x1.5" included
-SIGNED = re.compile(r"(?:(?<=x)|(?<![\w.]))((?<!\d-)[+-])?(\d+(?:\.\d+)?)(?![\w.]*\.\d)")
+NUMBER = re.compile(r"(?:(?<=x)|(?<![\w.]))(\d+\.\d+(?:\.\d+)*(?:e-?\d+)?)")     # decimals: x1.5, 2.8e-7
+SIGNED = re.compile(r"(?:(?<=x)|(?<![\w.,]))((?<!\d)[+-])?((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e-?\d+)?)")
 CHECK = re.compile(r"<!--\s*check:(.*?)-->", re.S)
 LINK = re.compile(r"\]\(([^)#\s]+\.json)\)")
 MACHINES = {"Intel Xeon": "Xeon", "AMD EPYC": "EPYC", "NVIDIA H200": "H200"}
@@ -50,9 +51,26 @@ def _wrap(x):
     return [_wrap(v) for v in x] if isinstance(x, list) else x
 
 
+def wilson(k: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson interval of k successes in n trials."""
+    p, d = k / n, 1 + z * z / n
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (p + z * z / (2 * n)) / d - half, (p + z * z / (2 * n)) / d + half
+
+
+def pick(rows: list, **fields):
+    """The one row whose fields equal `fields` (pick(J1.forward_ms, batch=1, tokens=1))."""
+    found = [r for r in rows if all(r.get(k) == v for k, v in fields.items())]
+    assert len(found) == 1, f"{len(found)} rows match {fields}"
+    return found[0]
+
+
 HELPERS = {"rng": lambda xs: (min(xs), max(xs)), "median": statistics.median, "mean": statistics.mean,
-           "pct": lambda a, b: (a / b - 1) * 100, "min": min, "max": max, "len": len, "sum": sum,
-           "zip": zip, "abs": abs, "all": all, "any": any, "sorted": sorted, "round": round}
+           "pct": lambda a, b: (a / b - 1) * 100, "wilson": wilson, "pick": pick,
+           "col": lambda rows, key: [r[key] for r in rows],
+           "key": lambda d, prefix: next(v for k, v in d.items() if k.startswith(prefix)),
+           "min": min, "max": max, "len": len, "sum": sum, "zip": zip, "abs": abs, "all": all,
+           "any": any, "sorted": sorted, "round": round, "list": list, "set": set, "int": int}
 
 
 def split_cells(line: str) -> list[str]:
@@ -104,8 +122,10 @@ def literal_numbers(literal: str) -> list[tuple[float, int]]:
     """(value, digits after the point) of each number of LITERAL; "a-b" is a range, "+1.5" signed."""
     out = []
     for sign, num in SIGNED.findall(literal):
-        value = float(num) * (-1 if sign == "-" else 1)
-        out.append((value, len(num.split(".")[1]) if "." in num else 0))
+        num = num.replace(",", "")                   # 11,088
+        mantissa, _, exponent = num.partition("e")
+        digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        out.append((float(num) * (-1 if sign == "-" else 1), digits - int(exponent or 0)))
     return out
 
 
@@ -187,7 +207,7 @@ def row_problems(doc: Path, header: list[str], cells: list[str]) -> list[str]:
         bad += filter(None, [evaluate(literal, expr, files)])
     text = " ".join(visible(c) for h, c in cols.items() if h not in ("command", "data"))
     bad += [f"{n} is neither checked nor given" for n in NUMBER.findall(text)
-            if n not in covered and n.count(".") == 1]
+            if n not in covered and n.split("e")[0].count(".") == 1]
     return bad
 
 
