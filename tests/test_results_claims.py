@@ -240,3 +240,33 @@ def test_the_checks_catch_a_wrong_number_a_missing_link_and_a_missing_provenance
                             "commit": {"hash": "abcdef1", "dirty": True}}}
     assert "dirty tree" in provenance_problems("f", dirty)[0]
     assert literal_numbers("x0.919-1.030, +1.5 / -0.4 ms") == [(0.919, 3), (1.03, 3), (1.5, 1), (-0.4, 1)]
+
+
+PERF_NOTES = ROOT / "docs" / "perf-notes.md"
+SECTION = re.compile(r"^#{2,3} (\d+[a-z]?(?:\.\d+)?)\.? ", re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_perf_notes_contents_list_every_section_in_order_and_each_link_lands():
+    """Issue 50, point 3: the table of contents names every numbered section, in order, and each
+    of its links is a heading's anchor."""
+    text = PERF_NOTES.read_text()
+    headings = {slug(h): h for h in re.findall(r"^#{2,3} (.+)$", text, re.M)}
+    numbered = SECTION.findall(text)
+    contents = text[:text.index("\n## ")]
+    listed = re.findall(r"\[§(\d+[a-z]?(?:\.\d+)?) [^\]]*\]\(#([^)]+)\)", contents)
+    assert [n for n, _ in listed] == numbered, "the contents and the sections differ or are out of order"
+    assert [a for _, a in listed if a not in headings] == []
+
+
+@pytest.mark.parametrize("doc", [README, RESULTS, PERF_NOTES], ids=lambda p: p.name)
+def test_no_link_leaves_the_repository(doc):
+    """A relative link resolves inside the repository (a reader of a clone can follow it)."""
+    outside = [t for t in re.findall(r"\]\(([^)#\s]+)", doc.read_text())
+               if "://" not in t and not (doc.parent / t).resolve().is_relative_to(ROOT)]
+    assert outside == []
+    assert "../shared" not in doc.read_text()
