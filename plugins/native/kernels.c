@@ -551,7 +551,9 @@ static SD_AMX_TARGET void matmul_tiles(const sd_matrix *w, const act_q *a, int a
             const int nr = arows - r0 < TILE_ROWS ? arows - r0 : TILE_ROWS;
             if (nr != configured) tiles_config(configured = nr, q6);
             float out[TILE_ROWS][LANES];
-            tile_rows(&t, a, r0, nr, nblk, out);
+            const size_t group_bytes = (size_t)(w->cols / block_elems(w->type)) * block_bytes(w->type);
+            tile_rows(&t, a, r0, nr, nblk, out, w->data + (size_t)(g + 1) * group_bytes,
+                      r0 == 0 && g + 1 < groups ? group_bytes : 0);
             store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
         }
     }
