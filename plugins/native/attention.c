@@ -132,6 +132,42 @@ static inline __attribute__((always_inline)) void committed_values(const uint16_
     }
 }
 
+/* a node's path columns ctx .. n (its scratch nodes `pt`), scored into sc where the committed
+ * tail's padding lanes were */
+static inline __attribute__((always_inline)) void path_scores(const uint16_t *kb, int d, int dv, int ctx, int n,
+                                                              const int32_t *pt, const vf *qv, float *sc,
+                                                              const uint16_t *zero_col) {
+    const uint16_t *k8[8];
+    for (int j0 = ctx & ~7; j0 < n; j0 += 8) {
+        float tmp[8];
+        for (int i = 0; i < 8; i++) {
+            int j = j0 + i;
+            k8[i] = j < ctx ? kb + (int64_t)j * d : (j < n ? kb + (int64_t)(ctx + pt[j - ctx]) * d : zero_col);
+        }
+        _mm256_storeu_ps(tmp, scores8(qv, dv, k8));
+        for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
+    }
+}
+
+/* sc[j_start .. n) (padded with -inf to a multiple of 8) -> exp(sc - max), in place; 1 / their sum
+ * (summed in 8 lanes, then across them), 0 where there is nothing */
+static inline float softmax_weights(float *sc, int j_start, int n) {
+    const int npad = (n + 7) & ~7;
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    for (int j = j_start; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    __m256 zsum = _mm256_setzero_ps(), mv = _mm256_set1_ps(n ? _mm_cvtss_f32(m4) : 0.0f);
+    for (int j = j_start; j < npad; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+        _mm256_storeu_ps(sc + j, e);
+        zsum = _mm256_add_ps(zsum, e);
+    }
+    float z = hsum8(zsum);
+    return z > 0.0f ? 1.0f / z : 0.0f;
+}
+
 /* All T nodes of one row against one query head: node t's scores sit in sc[t] at the indices of
  * its columns, padded with -inf to a multiple of 8. Each committed column's K and V are loaded
  * and converted once for all T nodes (a tree verify costs about one node's memory traffic, not
@@ -167,22 +203,10 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *kb, con
         j_start = lo <= 0 ? 0 : (int)(lo < ctx ? lo : ctx) & ~7;
     }
     committed_scores(kb, d, dv, j_start, ctx, tokens, qv, scores, spad, zero_col);
-    /* each node's path columns (they overwrite the committed tail's padding lanes) */
-    const uint16_t *k8[8];
     for (int t = 0; t < tokens; t++) {
-        const int32_t *pt = paths + (size_t)t * path_len;
         float *sc = scores + (size_t)t * spad;
-        int n = ctx + plen[t];
-        int j0 = ctx & ~7;
-        for (; j0 < n; j0 += 8) {
-            float tmp[8];
-            for (int i = 0; i < 8; i++) {
-                int j = j0 + i;
-                k8[i] = j < ctx ? kb + (int64_t)j * d : (j < n ? kb + (int64_t)(ctx + pt[j - ctx]) * d : zero_col);
-            }
-            _mm256_storeu_ps(tmp, scores8(qv + t * dv, dv, k8));
-            for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
-        }
+        const int n = ctx + plen[t];
+        path_scores(kb, d, dv, ctx, n, paths + (size_t)t * path_len, qv + t * dv, sc, zero_col);
         if (softcap > 0.0f) {                 /* Gemma-2: scores = cap tanh(scores / cap), before the masks */
             const __m256 cap = _mm256_set1_ps(softcap);
             for (int j = j_start; j < n; j += 8)
@@ -193,24 +217,7 @@ static inline __attribute__((always_inline)) void attend(const uint16_t *kb, con
             int64_t lo = pos[t] - window + 1;
             mask_tail(sc, j_start, lo < n ? (int)lo : n);
         }
-    }
-    /* softmax weights per node */
-    for (int t = 0; t < tokens; t++) {
-        float *sc = scores + (size_t)t * spad;
-        int n = ctx + plen[t], npad = (n + 7) & ~7;
-        __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        for (int j = j_start; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        __m256 zsum = _mm256_setzero_ps(), mv = _mm256_set1_ps(n ? _mm_cvtss_f32(m4) : 0.0f);
-        for (int j = j_start; j < npad; j += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-            _mm256_storeu_ps(sc + j, e);
-            zsum = _mm256_add_ps(zsum, e);
-        }
-        float z = hsum8(zsum);
-        zinv[t] = z > 0.0f ? 1.0f / z : 0.0f;
+        zinv[t] = softmax_weights(sc, j_start, n);
         for (int e = 0; e < 2 * dv; e++) acc[t * 2 * dv + e] = vzero();
     }
     /* weighted values: committed columns shared, then each node's path */
