@@ -11,8 +11,8 @@
 # (the interpreter itself is not instrumented), and runs the suites that drive the kernel: ragged
 # rows, trees, every drafter, seeded sampling, cancelled and stopped rows, slot reuse, the ctypes
 # bounds checks, the EAGLE-3 feature layers, every block kind, wide activations, attention at head
-# sizes 32-256, the AMX tile
-# path where the CPU has it (as the default, SPECDEC_ISA=auto, and forced on every row count). Fails on any
+# sizes 32-256, the AMX tile path where the CPU has it (as the default, SPECDEC_ISA=auto, and
+# forced on every row count). Fails on any
 # sanitizer report (a report aborts the process; any log file left in work/sanitize/logs also
 # fails the run) or any failed test.
 # About 1 min on 2 cores (perf-notes §14).
