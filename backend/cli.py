@@ -115,6 +115,13 @@ def cmd_bench_engine(args) -> int:
         raise UserError(f"--isa: {bad!r} is not one of {', '.join(engine_bench.ISAS)} "
                         f"(SPECDEC_ISA=avx2 loads another library: set it for the whole run instead)")
     m = EngineManifest.load(_engine_dir(args))
+    if args.builds:
+        pairs = [b.partition("=") for b in args.builds.split(";")]
+        if any(not name or not path for name, _, path in pairs):
+            raise UserError(f"--builds: expected name=library.so by ';', got {args.builds!r}")
+        engine_bench.ab_builds(m, {name: path for name, _, path in pairs}, isas, args.reps,
+                               Path(args.json) if args.json else None)
+        return 0
     if args.wide or args.isa:
         engine_bench.ab(m, load_prompts(args.prompts), (args.wide or "built").split(";"), isas, args.reps,
                         args.max_new_tokens, Path(args.json) if args.json else None)

@@ -185,6 +185,11 @@ def add_bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", default=None,
                    help="instead: the matmul paths to A/B, by ';' (amx: AMX tiles; avx512: the vector path), "
                         "crossed with --wide's settings (default built), alternated --reps times in one process")
+    p.add_argument("--builds", default=None,
+                   help="instead: builds of the native kernel to A/B, name=library.so by ';' (the same library "
+                        "under two names: an A/A control), crossed with --isa's paths (default: default), B=1 "
+                        "forwards of T=1..16 after 256 tokens alternated --reps times in one process; CPU time "
+                        "with SPECDEC_THREADS=1")
 
 
 def add_build_draft_node_args(p: argparse.ArgumentParser) -> None:

@@ -128,6 +128,21 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
     assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
 
 
+def test_the_price_is_timed_on_one_engine_thread_by_its_cpu_time(tiny):
+    """A loaded machine's other processes cost a wall-clock step their time slices, and the
+    default then turned on a coin: the price runs one thread and reads its CPU time, and the
+    runtime keeps its own thread governor afterwards."""
+    from backend.devices import load_runtime
+
+    named, _ = tiny
+    rt = load_runtime(named)
+    governor = rt.governor
+    out = wide_choice.price(rt, ("qkv",), list(range(3, 40)), lambda *a: None)
+    assert out["clock"] == "thread CPU time, one engine thread" and out["step_ms_int8"] > 0 and out["step_ms_wide"] > 0
+    assert rt.governor is governor and rt.model.struct.wide == 0
+    rt.close()
+
+
 def test_an_engine_with_wide_matrices_is_exact_and_batch_invariant(tiny):
     named, _ = tiny
     assert named.engine("gguf").batch_invariant            # the build's verify-vs-single-steps check

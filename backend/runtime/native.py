@@ -15,6 +15,7 @@ Knows: the C entry points and their structs, slots. Does not know: sampling, dra
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -145,28 +146,52 @@ def library() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         want = _isa_wanted()
-        path = _library_path(want)
-        lib = ctypes.CDLL(path)
-        check_abi(lib, path)
-        lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
-                                   ctypes.POINTER(_Workspace)]
-        lib.sd_forward.restype = ctypes.c_int
-        lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
-        lib.sd_isa.restype = ctypes.c_char_p
-        lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
-        lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
-        lib.sd_matmul.restype = ctypes.c_int
-        on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
-        if want == "amx" and not on:
-            raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
-                            "XCR0 and the Linux permission request); unset it to run the vector path")
-        got = lib.sd_isa().decode()
-        if want == "avx512" and not got.startswith("avx512"):
-            raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
-        if want == "avx2" and got not in ("avx2", "avx-vnni"):
-            raise UserError(f"SPECDEC_ISA=avx2: no 256-bit build was compiled beside {path} (setup.py)")
-        _LIB = lib
+        _LIB = _load(_library_path(want), want)
     return _LIB
+
+
+def _load(path: str, want: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    check_abi(lib, path)
+    lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
+                               ctypes.POINTER(_Workspace)]
+    lib.sd_forward.restype = ctypes.c_int
+    lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
+    lib.sd_isa.restype = ctypes.c_char_p
+    lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
+    lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
+    lib.sd_matmul.restype = ctypes.c_int
+    on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
+    if want == "amx" and not on:
+        raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
+                        "XCR0 and the Linux permission request); unset it to run the vector path")
+    got = lib.sd_isa().decode()
+    if want == "avx512" and not got.startswith("avx512"):
+        raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
+    if want == "avx2" and got not in ("avx2", "avx-vnni"):
+        raise UserError(f"SPECDEC_ISA=avx2: no 256-bit build was compiled beside {path} (setup.py)")
+    return lib
+
+
+_BUILDS: dict[str, ctypes.CDLL] = {}
+
+
+@contextlib.contextmanager
+def build_at(path: str):
+    """Another build of the kernel (a library compiled from other sources with this ABI) as the
+    process's library inside the block: A/B runs of two builds in one process (`specdec
+    bench-engine --builds`). Runtimes made inside keep it; use_tiles inside sets its mode."""
+    global _LIB
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise UserError(f"--builds: {path}: no such file")
+    if path not in _BUILDS:
+        _BUILDS[path] = _load(path, "auto")
+    saved, _LIB = _LIB, _BUILDS[path]
+    try:
+        yield _LIB
+    finally:
+        _LIB = saved
 
 
 TILES_OFF, TILES_AUTO, TILES_ALWAYS = 0, 1, 2      # kernels.h tiles_select's modes

@@ -56,6 +56,18 @@ static inline __m256 scores8(const vf *qv, int dv, const uint16_t *const *k8) {
     return sum8x8(f);
 }
 
+/* scores8 against 8 columns already converted to float (kf[i * dv + e]): the f16 conversion is
+ * exact, so the same bits as scores8 on their f16 keys */
+static inline __m256 scores8f(const vf *qv, int dv, const vf *kf) {
+    __m256 f[8];
+    for (int i = 0; i < 8; i++) {
+        vf acc = vzero();
+        for (int e = 0; e < dv; e++) acc = vfma(qv[e], kf[i * dv + e], acc);
+        f[i] = fold(acc);
+    }
+    return sum8x8(f);
+}
+
 static inline void mask_tail(float *sc, int from, int to) {
     for (int i = from; i < to; i++) sc[i] = -INFINITY;
 }
@@ -67,17 +79,107 @@ size_t attend_work_floats(int tokens, int ctx, int path_len) {
     return (size_t)tokens * spad + 16 + (size_t)tokens * (3 * MAX_HEAD_DIM + 2);
 }
 
+#define KCOLS 8          /* committed columns whose keys are converted together (one scores8) */
+#define VCOLS 16         /* committed columns whose values are converted together */
+
+/* The committed columns' scores of every node: per group of 8 columns, the keys converted from
+ * f16 once for all nodes where there are several (a node alone reads them straight) */
+static inline __attribute__((always_inline)) void committed_scores(const uint16_t *kb, int d, int dv, int j_start,
+                                                                   int ctx, int tokens, const vf *qv, float *scores,
+                                                                   int spad, const uint16_t *zero_col) {
+    const uint16_t *k8[KCOLS];
+    vf kf[KCOLS * MAX_HEAD_DIM / VW];
+    for (int j0 = j_start; j0 < ctx; j0 += KCOLS) {
+        for (int i = 0; i < KCOLS; i++) k8[i] = j0 + i < ctx ? kb + (int64_t)(j0 + i) * d : zero_col;
+        if (tokens == 1) {
+            _mm256_storeu_ps(scores + j0, scores8(qv, dv, k8));
+            continue;
+        }
+        for (int i = 0; i < KCOLS; i++)
+            for (int e = 0; e < dv; e++) kf[i * dv + e] = vloadh(k8[i] + e * VW);
+        for (int t = 0; t < tokens; t++) _mm256_storeu_ps(scores + (size_t)t * spad + j0, scores8f(qv + t * dv, dv, kf));
+    }
+}
+
+/* acc[t] (two chains, even and odd columns) += the committed columns' values weighted by node
+ * t's softmax numerators, columns in order; per group of VCOLS columns the values converted once
+ * for all nodes and each node's accumulators held in registers across the group */
+static inline __attribute__((always_inline)) void committed_values(const uint16_t *vb, int d, int dv, int j_start,
+                                                                   int ctx, int tokens, const float *scores,
+                                                                   int spad, vf *acc) {
+    vf vfb[VCOLS * MAX_HEAD_DIM / VW];
+    _Static_assert(VCOLS % 2 == 0 && KCOLS % 2 == 0, "a group starts on an even column");
+    for (int j0 = j_start; j0 < ctx; j0 += VCOLS) {
+        const int jn = ctx - j0 < VCOLS ? ctx - j0 : VCOLS;
+        if (tokens > 1)
+            for (int i = 0; i < jn; i++)
+                for (int e = 0; e < dv; e++) vfb[i * dv + e] = vloadh(vb + (int64_t)(j0 + i) * d + e * VW);
+        for (int t = 0; t < tokens; t++) {             /* j0 is even: column j0 + i is on chain i & 1 */
+            vf a0[MAX_HEAD_DIM / VW], a1[MAX_HEAD_DIM / VW];
+            vf *at = acc + (size_t)t * 2 * dv;
+            for (int e = 0; e < dv; e++) a0[e] = at[e], a1[e] = at[dv + e];
+            const float *sc = scores + (size_t)t * spad + j0;
+            for (int i = 0; i < jn; i += 2) {
+                const uint16_t *v0 = vb + (int64_t)(j0 + i) * d;
+                vf p0 = vset1(sc[i]);
+                for (int e = 0; e < dv; e++) a0[e] = vfma(p0, tokens > 1 ? vfb[i * dv + e] : vloadh(v0 + e * VW), a0[e]);
+                if (i + 1 == jn) break;
+                vf p1 = vset1(sc[i + 1]);
+                for (int e = 0; e < dv; e++) a1[e] = vfma(p1, tokens > 1 ? vfb[(i + 1) * dv + e] : vloadh(v0 + d + e * VW), a1[e]);
+            }
+            for (int e = 0; e < dv; e++) at[e] = a0[e], at[dv + e] = a1[e];
+        }
+    }
+}
+
+/* a node's path columns ctx .. n (its scratch nodes `pt`), scored into sc where the committed
+ * tail's padding lanes were */
+static inline __attribute__((always_inline)) void path_scores(const uint16_t *kb, int d, int dv, int ctx, int n,
+                                                              const int32_t *pt, const vf *qv, float *sc,
+                                                              const uint16_t *zero_col) {
+    const uint16_t *k8[8];
+    for (int j0 = ctx & ~7; j0 < n; j0 += 8) {
+        float tmp[8];
+        for (int i = 0; i < 8; i++) {
+            int j = j0 + i;
+            k8[i] = j < ctx ? kb + (int64_t)j * d : (j < n ? kb + (int64_t)(ctx + pt[j - ctx]) * d : zero_col);
+        }
+        _mm256_storeu_ps(tmp, scores8(qv, dv, k8));
+        for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
+    }
+}
+
+/* sc[j_start .. n) (padded with -inf to a multiple of 8) -> exp(sc - max), in place; 1 / their sum
+ * (summed in 8 lanes, then across them), 0 where there is nothing */
+static inline float softmax_weights(float *sc, int j_start, int n) {
+    const int npad = (n + 7) & ~7;
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    for (int j = j_start; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    __m256 zsum = _mm256_setzero_ps(), mv = _mm256_set1_ps(n ? _mm_cvtss_f32(m4) : 0.0f);
+    for (int j = j_start; j < npad; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+        _mm256_storeu_ps(sc + j, e);
+        zsum = _mm256_add_ps(zsum, e);
+    }
+    float z = hsum8(zsum);
+    return z > 0.0f ? 1.0f / z : 0.0f;
+}
+
 /* All T nodes of one row against one query head: node t's scores sit in sc[t] at the indices of
  * its columns, padded with -inf to a multiple of 8. Each committed column's K and V are loaded
- * once for all T nodes (a tree verify costs about one node's memory traffic, not T). Per node the
- * arithmetic is the same as for a node alone: per-column scores, max, exp, the sum of sc[t] in 8
- * lanes, the weighted values summed over columns in order, even and odd columns apart (two
- * chains). */
-void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, float softcap, int window,
-                const int64_t *pos, int ctx,
-                const int32_t *paths, int path_len, int tokens, const float *q, int ldq,
-                float *out, int ldo, float *work, const uint16_t *zero_col) {
-    int dv = d / VW;
+ * and converted once for all T nodes (a tree verify costs about one node's memory traffic, not
+ * T). Per node the arithmetic is the same as for a node alone: per-column scores, max, exp, the
+ * sum of sc[t] in 8 lanes, the weighted values summed over columns in order, even and odd columns
+ * apart (two chains). dv (= d / VW) is a constant where attend_row inlines this, so the loops
+ * over a head's vectors unroll and their accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend(const uint16_t *kb, const uint16_t *vb, int d, int dv,
+                                                         float scale, float softcap, int window, const int64_t *pos,
+                                                         int ctx, const int32_t *paths, int path_len, int tokens,
+                                                         const float *q, int ldq, float *out, int ldo, float *work,
+                                                         const uint16_t *zero_col) {
     int spad = (ctx + path_len + 7) & ~7;
     float *scores = work;                                     /* [T, spad] */
     vf *acc = (vf *)(work + (size_t)tokens * spad + 16 - ((uintptr_t)(work + (size_t)tokens * spad) / 4) % 16);
@@ -100,27 +202,11 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, floa
         lo = lo - window + 1;
         j_start = lo <= 0 ? 0 : (int)(lo < ctx ? lo : ctx) & ~7;
     }
-    /* committed columns, 8 at a time, shared by every node */
-    const uint16_t *k8[8];
-    for (int j0 = j_start; j0 < ctx; j0 += 8) {
-        for (int i = 0; i < 8; i++) k8[i] = j0 + i < ctx ? kb + (int64_t)(j0 + i) * d : zero_col;
-        for (int t = 0; t < tokens; t++) _mm256_storeu_ps(scores + (size_t)t * spad + j0, scores8(qv + t * dv, dv, k8));
-    }
-    /* each node's path columns (they overwrite the committed tail's padding lanes) */
+    committed_scores(kb, d, dv, j_start, ctx, tokens, qv, scores, spad, zero_col);
     for (int t = 0; t < tokens; t++) {
-        const int32_t *pt = paths + (size_t)t * path_len;
         float *sc = scores + (size_t)t * spad;
-        int n = ctx + plen[t];
-        int j0 = ctx & ~7;
-        for (; j0 < n; j0 += 8) {
-            float tmp[8];
-            for (int i = 0; i < 8; i++) {
-                int j = j0 + i;
-                k8[i] = j < ctx ? kb + (int64_t)j * d : (j < n ? kb + (int64_t)(ctx + pt[j - ctx]) * d : zero_col);
-            }
-            _mm256_storeu_ps(tmp, scores8(qv + t * dv, dv, k8));
-            for (int i = 0; i < 8 && j0 + i < n; i++) if (j0 + i >= ctx) sc[j0 + i] = tmp[i];
-        }
+        const int n = ctx + plen[t];
+        path_scores(kb, d, dv, ctx, n, paths + (size_t)t * path_len, qv + t * dv, sc, zero_col);
         if (softcap > 0.0f) {                 /* Gemma-2: scores = cap tanh(scores / cap), before the masks */
             const __m256 cap = _mm256_set1_ps(softcap);
             for (int j = j_start; j < n; j += 8)
@@ -131,36 +217,11 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, floa
             int64_t lo = pos[t] - window + 1;
             mask_tail(sc, j_start, lo < n ? (int)lo : n);
         }
-    }
-    /* softmax weights per node */
-    for (int t = 0; t < tokens; t++) {
-        float *sc = scores + (size_t)t * spad;
-        int n = ctx + plen[t], npad = (n + 7) & ~7;
-        __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        for (int j = j_start; j < npad; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx8), _mm256_extractf128_ps(mx8, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        __m256 zsum = _mm256_setzero_ps(), mv = _mm256_set1_ps(n ? _mm_cvtss_f32(m4) : 0.0f);
-        for (int j = j_start; j < npad; j += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-            _mm256_storeu_ps(sc + j, e);
-            zsum = _mm256_add_ps(zsum, e);
-        }
-        float z = hsum8(zsum);
-        zinv[t] = z > 0.0f ? 1.0f / z : 0.0f;
+        zinv[t] = softmax_weights(sc, j_start, n);
         for (int e = 0; e < 2 * dv; e++) acc[t * 2 * dv + e] = vzero();
     }
     /* weighted values: committed columns shared, then each node's path */
-    for (int j = j_start; j < ctx; j++) {
-        const uint16_t *v = vb + (int64_t)j * d;
-        vf vv[MAX_HEAD_DIM / VW];
-        for (int e = 0; e < dv; e++) vv[e] = vloadh(v + e * VW);
-        for (int t = 0; t < tokens; t++) {
-            vf p = vset1(scores[(size_t)t * spad + j]), *a = acc + (size_t)t * 2 * dv + (j & 1) * dv;
-            for (int e = 0; e < dv; e++) a[e] = vfma(p, vv[e], a[e]);
-        }
-    }
+    committed_values(vb, d, dv, j_start, ctx, tokens, scores, spad, acc);
     for (int t = 0; t < tokens; t++) {
         const int32_t *pt = paths + (size_t)t * path_len;
         for (int i = 0; i < plen[t]; i++) {
@@ -173,4 +234,20 @@ void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, floa
         vf inv = vset1(zinv[t]), *a = acc + (size_t)t * 2 * dv;
         for (int e = 0; e < dv; e++) vstore(o + e * VW, vmul(vadd(a[e], a[dv + e]), inv));
     }
+}
+
+/* attend() with the head's vector count a constant for the common head sizes (64, 128, 256) */
+void attend_row(const uint16_t *kb, const uint16_t *vb, int d, float scale, float softcap, int window,
+                const int64_t *pos, int ctx,
+                const int32_t *paths, int path_len, int tokens, const float *q, int ldq,
+                float *out, int ldo, float *work, const uint16_t *zero_col) {
+#define ATTEND(dv) attend(kb, vb, d, dv, scale, softcap, window, pos, ctx, paths, path_len, tokens, q, ldq, out, ldo, \
+                          work, zero_col)
+    switch (d) {
+    case 64: ATTEND(64 / VW); break;
+    case 128: ATTEND(128 / VW); break;
+    case 256: ATTEND(256 / VW); break;
+    default: ATTEND(d / VW); break;
+    }
+#undef ATTEND
 }

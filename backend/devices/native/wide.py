@@ -126,7 +126,7 @@ def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) ->
     return chosen, report
 
 
-def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int) -> float:
+def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int, clock=time.perf_counter) -> float:
     """The median plain decode step (one token, B = 1) after `context`, with `wide` families."""
     rt.model.set_wide(wide)
     rt.alloc(0)
@@ -134,9 +134,9 @@ def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int) -> floa
     rt.commit([0], [np.arange(context.size)])
     times = []
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         rt.forward([0], np.array([[context[i % context.size]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         rt.commit([0], [np.array([], np.int64)])       # the context stays PRICE_CONTEXT long
     rt.free(0)
     return 1000 * float(np.median(times))
@@ -147,21 +147,30 @@ def price(rt, wide: tuple[str, ...], prompt: list[int], log) -> dict:
     context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter): the two
     alternated PRICE_REPS + 1 times (medians of PRICE_STEPS steps each; each setting's first two
     readings a warm-up) ->
-    {"path", "step_ms_int8", "step_ms_wide", "cost", "max_cost"}; rt left with none wide."""
+    {"path", "clock", "step_ms_int8", "step_ms_wide", "cost", "max_cost"}; rt left with none wide.
+    Timed on one engine thread by its CPU time: on a machine other processes load, wall-clock
+    steps measured their time slices (a build read +2.9% where another, the same hour, read
+    +21.9%, and chose wide by default on the first: perf-notes §38)."""
     from backend.runtime import native
+    from backend.runtime.cores import CoreGovernor
 
     n = min(PRICE_CONTEXT, len(prompt))                 # a tiny model's positions may be fewer
     context = np.asarray(list(prompt)[:n], np.int64)
     narrow, wider = [], []
-    for rep in range(PRICE_REPS + 1):
-        for w in ((), wide) if rep % 2 else (wide, ()):
-            (narrow if not w else wider).append(_step_ms(rt, w, context, PRICE_STEPS))
+    governor, rt.governor = rt.governor, CoreGovernor(1, on=False)
+    try:
+        for rep in range(PRICE_REPS + 1):
+            for w in ((), wide) if rep % 2 else (wide, ()):
+                (narrow if not w else wider).append(_step_ms(rt, w, context, PRICE_STEPS, time.thread_time))
+    finally:
+        rt.governor = governor
     rt.model.set_wide(())
     a, b = float(np.median(narrow[2:])), float(np.median(wider[2:]))
-    out = {"path": native.isa(), "step_ms_int8": round(a, 3), "step_ms_wide": round(b, 3),
+    out = {"path": native.isa(), "clock": "thread CPU time, one engine thread", "step_ms_int8": round(a, 3),
+           "step_ms_wide": round(b, 3),
            "cost": round(b / a - 1, 4), "max_cost": MAX_COST}
     log(f"wide activations {list(wide)} cost a plain decode step {100 * out['cost']:+.1f}% "
-        f"({b:.2f} vs {a:.2f} ms, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
+        f"({b:.2f} vs {a:.2f} ms CPU on one thread, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
     return out
 
 
