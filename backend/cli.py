@@ -170,6 +170,8 @@ def cmd_serve(args) -> int:
     if problem:
         print(problem, flush=True)
         return 2
+    if args.nodes or args.dynamo_node or args.dynamo_frontend:
+        return _serve_dynamo(args, repo)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()
@@ -194,6 +196,20 @@ def cmd_serve(args) -> int:
     rc = supervisor.stop()
     print(f"stopped (exit code {rc})", flush=True)
     return 0 if rc in (0, None) else 1
+
+
+def _serve_dynamo(args, repo: Path) -> int:
+    """Nodes behind NVIDIA Dynamo's frontend (docs/scale-out.md)."""
+    from backend.errors import UserError
+    from backend.serve.dynamo.launch import serve
+
+    if args.nodes < 0:
+        raise UserError(f"--nodes must be >= 0, got {args.nodes}")
+    if sum(map(bool, (args.nodes, args.dynamo_node, args.dynamo_frontend))) > 1:
+        raise UserError("--nodes, --dynamo-node and --dynamo-frontend are three ways to serve: choose one")
+    if args.migration_limit < 0:
+        raise UserError(f"--migration-limit must be >= 0, got {args.migration_limit}")
+    return serve(args, repo)
 
 
 def _start_openai(args, engine_dir: Path, triton_http_url: str, supervisor):
