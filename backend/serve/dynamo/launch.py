@@ -89,68 +89,89 @@ def _stop(proc: subprocess.Popen | None, timeout: float = STOP_S) -> int | None:
     return proc.returncode
 
 
+def node_env(threads: int | None = None) -> dict:
+    """A node's tritonserver environment: where its generator publishes KV events (a port of its
+    own; its worker is on the same machine), and its engine's thread count when nodes share cores."""
+    env = {kv_events.ENV: f"tcp://127.0.0.1:{free_port()}"}
+    if threads:
+        env["SPECDEC_THREADS"] = str(threads)
+    return env
+
+
+class Worker:
+    """The Dynamo worker process of a tritonserver started with node_env(); started again when it
+    left (its server was gone), once the server is back."""
+
+    def __init__(self, server: TritonServer, deployment: Deployment, name: str = "node", log_dir: Path | None = None,
+                 on_event=None):
+        self.server, self.deployment, self.name = server, deployment, name
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-node-"))
+        self.on_event = on_event or (lambda msg: None)
+        self.system_port = system_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self._started_at = 0.0
+        self._stopping = threading.Event()
+        self._watch = threading.Thread(target=self._keep, name=f"specdec-{name}-worker", daemon=True)
+
+    @property
+    def system_url(self) -> str:
+        return f"http://{'127.0.0.1' if self.deployment.local else '0.0.0.0'}:{self.system_port}"
+
+    def start(self) -> "Worker":
+        self._spawn()
+        self._watch.start()
+        return self
+
+    def _spawn(self) -> None:
+        env = self.deployment.env()
+        env["DYN_SYSTEM_PORT"] = str(self.system_port)          # its /health and /metrics
+        cmd = [sys.executable, "-m", "backend.serve.dynamo.worker", "--triton-url", self.server.http_url,
+               "--model-repository", str(self.server.repo), "--kv-events", self.server.extra_env[kv_events.ENV],
+               "--namespace", self.deployment.namespace, "--discovery-backend", self.deployment.discovery]
+        log = open(self.log_dir / f"{self.name}-worker.log", "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+        self._started_at = time.time()
+
+    def _keep(self) -> None:
+        while not self._stopping.wait(0.5):
+            if self.proc.poll() is None:
+                continue
+            self.on_event(f"{self.name}: Dynamo worker exited (code {self.proc.returncode}); "
+                          "starting it again once tritonserver is ready")
+            while not self._stopping.is_set() and (not self.server.ready() or time.time() - self._started_at < RESTART_S):
+                self._stopping.wait(0.5)
+            if not self._stopping.is_set():
+                self._spawn()
+
+    def stop(self) -> int | None:
+        self._stopping.set()
+        if self._watch.is_alive():
+            self._watch.join(timeout=5)
+        return _stop(self.proc)
+
+
 class Node:
     """One node: a supervised tritonserver and its Dynamo worker."""
 
     def __init__(self, repo: Path, name: str, deployment: Deployment, threads: int | None = None,
                  ports: tuple[int | None, int | None, int | None] = (None, None, None),
                  log_dir: Path | None = None, on_event=None):
-        self.repo, self.name, self.deployment = Path(repo), name, deployment
-        self.kv_endpoint = f"tcp://127.0.0.1:{free_port()}"           # the worker is on this machine
-        env = {kv_events.ENV: self.kv_endpoint}
-        if threads:
-            env["SPECDEC_THREADS"] = str(threads)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-node-"))
-        self.server = TritonServer(repo, *ports, log_file=self.log_dir / f"{name}-tritonserver.log", env=env)
-        self.on_event = on_event or (lambda msg: None)
-        self.supervisor = Supervisor(self.server, on_event=lambda msg: self.on_event(f"{name}: {msg}"))
-        self.system_port = system_port()
-        self.worker: subprocess.Popen | None = None
-        self.worker_starts = 0
-        self._stopping = threading.Event()
-        self._watch = threading.Thread(target=self._keep_worker, name=f"specdec-{name}-worker", daemon=True)
-
-    @property
-    def system_url(self) -> str:
-        return f"http://{'127.0.0.1' if self.deployment.local else '0.0.0.0'}:{self.system_port}"
+        self.name = name
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-node-"))
+        on_event = on_event or (lambda msg: None)
+        self.server = TritonServer(repo, *ports, log_file=log_dir / f"{name}-tritonserver.log", env=node_env(threads))
+        self.supervisor = Supervisor(self.server, on_event=lambda msg: on_event(f"{name}: {msg}"))
+        self.worker = Worker(self.server, deployment, name, log_dir, on_event)
 
     def start(self) -> "Node":
         self.supervisor.start()
-        self._start_worker()
-        self._watch.start()
+        self.worker.start()
         return self
 
-    def _start_worker(self) -> None:
-        env = self.deployment.env()
-        env.update(DYN_SYSTEM_ENABLED="true", DYN_SYSTEM_PORT=str(self.system_port))
-        cmd = [sys.executable, "-m", "backend.serve.dynamo.worker", "--triton-url", self.server.http_url,
-               "--model-repository", str(self.repo), "--kv-events", self.kv_endpoint,
-               "--namespace", self.deployment.namespace, "--discovery-backend", self.deployment.discovery]
-        log = open(self.log_dir / f"{self.name}-worker.log", "ab")
-        self.worker = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.worker_starts += 1
-        self._started_at = time.time()
-
-    def _keep_worker(self) -> None:
-        """Start the worker again when it left (its server was gone), once the server is back."""
-        while not self._stopping.wait(0.5):
-            if self.worker.poll() is None:
-                continue
-            self.on_event(f"{self.name}: Dynamo worker exited (code {self.worker.returncode}); "
-                          "starting it again once tritonserver is ready")
-            while not self._stopping.is_set() and (not self.server.ready() or time.time() - self._started_at < RESTART_S):
-                self._stopping.wait(0.5)
-            if not self._stopping.is_set():
-                self._start_worker()
-
-    def stop_worker(self) -> None:
-        self._stopping.set()
-        if self._watch.is_alive():
-            self._watch.join(timeout=5)
-        _stop(self.worker)
-
     def stop(self) -> int | None:
-        self.stop_worker()
+        self.worker.stop()
         return self.supervisor.stop()
 
 
@@ -163,12 +184,21 @@ def _instances(frontend_url: str) -> int | None:
         return None
 
 
+def _models(frontend_url: str) -> list[str]:
+    """The models the frontend serves (a worker's instance shows before its model card is read)."""
+    try:
+        with urllib.request.urlopen(f"{frontend_url}/v1/models", timeout=2) as r:
+            return [m.get("id") for m in json.loads(r.read()).get("data", [])]
+    except Exception:
+        return []
+
+
 class Frontend:
     """Dynamo's frontend process (OpenAI HTTP, preprocessing, router, migration)."""
 
     def __init__(self, deployment: Deployment, port: int, router: str, host: str = "127.0.0.1",
-                 migration_limit: int = MIGRATION_LIMIT, log_file: Path | None = None):
-        self.deployment, self.port, self.router, self.host = deployment, port, router, host
+                 migration_limit: int = MIGRATION_LIMIT, log_file: Path | None = None, model: str = "specdec"):
+        self.deployment, self.port, self.router, self.host, self.model = deployment, port, router, host, model
         self.migration_limit, self.log_file = migration_limit, log_file
         self.proc: subprocess.Popen | None = None
 
@@ -192,7 +222,7 @@ class Frontend:
             if self.proc.poll() is not None:
                 raise LaunchError(f"Dynamo's frontend exited with code {self.proc.returncode} (see {self.log_file})")
             seen = _instances(self.url)
-            if seen is not None and seen >= workers:
+            if seen is not None and seen >= workers and (not workers or self.model in _models(self.url)):
                 return
             time.sleep(0.25)
         raise LaunchError(f"Dynamo's frontend at {self.url} did not see {workers} worker(s) in {timeout:.0f}s")
@@ -230,7 +260,7 @@ def serve(args, repo: Path) -> int:
         say("stopping (draining: the frontend, the workers, the servers) ...")
         codes = [front.stop() if front else None]
         for node in nodes:
-            node.stop_worker()
+            node.worker.stop()
         codes += [node.supervisor.stop() for node in nodes]
         say(f"stopped (exit codes {codes})")
     return 0 if all(c in (0, None) for c in codes[1:]) else 1
@@ -248,7 +278,7 @@ def _banner(repo: Path, args, deployment: Deployment, nodes: list[Node], front: 
     for node in nodes:
         srv = node.server
         lines.append(f"  {node.name:<8} HTTP http://{srv.http_url}  metrics {srv.metrics_url}  tritonserver pid "
-                     f"{srv.proc.pid}  (Dynamo worker pid {node.worker.pid}, {node.system_url}/metrics)")
+                     f"{srv.proc.pid}  (Dynamo worker pid {node.worker.proc.pid}, {node.worker.system_url}/metrics)")
     store = f"file {deployment.store}" if deployment.discovery == "file" else deployment.discovery
     lines += [f"  discovery {store}; logs {log_dir}", "Ctrl-C stops them all."]
     return "\n".join(lines)
