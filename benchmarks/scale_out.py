@@ -4,7 +4,12 @@
 `agent`: multi-turn agent traffic through a 2-node deployment, the KV-aware router against
 round-robin. Each conversation of benchmarks/prompts/agent.jsonl is an agent session whose turn t
 sends the history up to its t-th user message (every turn resends what came before, as an agent
-does); sessions run `--concurrency` at a time, their turns in order. Each router gets deployments
+does); sessions run `--concurrency` at a time, their turns in order. `--workload recorded`: the
+history as the file has it (the conversations of a family share their system prompt and their
+first exchanges, so much of the reuse is across sessions); `--workload live` (the default): each
+session's first user message starts with a header of its own and the history holds the model's
+own answers, so after the family's system prompt a session shares blocks with its own earlier
+turns only (what an agent's conversation is). Each router gets deployments
 of its own, fresh nodes every time (cold prefix caches and suffix indexes), in the order kv,
 round-robin, kv, round-robin, ... (`--runs` each): two runs of one router are its A/A. Per run:
 the prefix cache's hit rate (prompt tokens the nodes reused / prompt tokens, from each answer's
@@ -65,13 +70,26 @@ def undeploy(front, nodes) -> None:
         n.stop()
 
 
-def sessions(path: Path = AGENT) -> list[list[list[dict]]]:
-    """Each conversation's turns: the messages up to and including each user message."""
-    out = []
-    for line in path.read_text().splitlines():
-        msgs = json.loads(line)["messages"]
-        out.append([msgs[: i + 1] for i, m in enumerate(msgs) if m["role"] == "user"])
-    return out
+def sessions(path: Path = AGENT) -> list[list[dict]]:
+    """The conversations (their messages as recorded)."""
+    return [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def turns(msgs: list[dict], live: bool, s: int, answer) -> list[dict]:
+    """One session: each turn's messages sent (up to and including each user message); live: the
+    first user message headed by the session, the history's answers the model's own (`answer`
+    sends a turn and returns the answer's text)."""
+    if not live:
+        for i, m in enumerate(msgs):
+            if m["role"] == "user":
+                answer(msgs[: i + 1])
+        return
+    users = [m["content"] for m in msgs if m["role"] == "user"]
+    history = [m for m in msgs if m["role"] == "system"]
+    for t, content in enumerate(users):
+        head = f"[session {s:02d}, ticket #{1000 + 37 * s}] " if t == 0 else ""
+        history.append({"role": "user", "content": head + content})
+        history.append({"role": "assistant", "content": answer(list(history))})
 
 
 def chat_stream(url: str, messages: list[dict], max_tokens: int, annotations: list[str]) -> dict:
@@ -84,18 +102,20 @@ def chat_stream(url: str, messages: list[dict], max_tokens: int, annotations: li
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    first, usage = None, None
+    first, usage, text = None, None, []
     for line in resp:
         if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
             continue
         ev = json.loads(line[5:])
-        if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content") and first is None:
-            first = time.perf_counter() - t0
+        piece = ev["choices"][0].get("delta", {}).get("content") if ev.get("choices") else None
+        if piece:
+            first = first if first is not None else time.perf_counter() - t0
+            text.append(piece)
         usage = ev.get("usage") or usage
     conn.close()
     return {"ttft": first or 0.0, "seconds": time.perf_counter() - t0, "prompt": usage["prompt_tokens"],
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "completion": usage["completion_tokens"]}
+            "completion": usage["completion_tokens"], "text": "".join(text)}
 
 
 def node_counters(nodes) -> dict[str, float]:
@@ -112,23 +132,24 @@ def node_counters(nodes) -> dict[str, float]:
     return out
 
 
-def agent_run(url: str, nodes, convs, concurrency: int, max_tokens: int) -> dict:
+def agent_run(url: str, nodes, convs, concurrency: int, max_tokens: int, live: bool) -> dict:
     rows, lock = [], threading.Lock()
 
-    def session(turns):
-        for messages in turns:
-            r = chat_stream(url, messages, max_tokens, ["drafter:suffix"])
-            with lock:
-                rows.append(r)
+    def answer(messages: list[dict]) -> str:
+        r = chat_stream(url, messages, max_tokens, ["drafter:suffix"])
+        with lock:
+            rows.append(r)
+        return r["text"]
     before = node_counters(nodes)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(session, convs))
+        list(pool.map(lambda sc: turns(sc[1], live, sc[0], answer), enumerate(convs)))
     wall = time.perf_counter() - t0
     after = node_counters(nodes)
     ttft = sorted(r["ttft"] for r in rows)
     drafted = after["drafted"] - before["drafted"]
-    return {"requests": len(rows), "prompt_tokens": sum(r["prompt"] for r in rows),
+    return {"requests": len(rows), "answers_sha1": _digest(sorted(r["text"] for r in rows)),
+            "prompt_tokens": sum(r["prompt"] for r in rows),
             "cached_tokens": sum(r["cached"] for r in rows),
             "hit_rate": round(sum(r["cached"] for r in rows) / sum(r["prompt"] for r in rows), 4),
             "ttft_ms_median": round(1000 * statistics.median(ttft), 1),
@@ -139,6 +160,12 @@ def agent_run(url: str, nodes, convs, concurrency: int, max_tokens: int) -> dict
             "suffix_acceptance": round((after["accepted"] - before["accepted"]) / drafted, 4) if drafted else None}
 
 
+def _digest(texts: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha1("\x00".join(texts).encode()).hexdigest()[:12]
+
+
 def agent(a) -> dict:
     convs = sessions()
     runs = {"kv": [], "round-robin": []}
@@ -146,7 +173,7 @@ def agent(a) -> dict:
         for router in runs:
             front, nodes = deploy(Path(a.model_repository), 2, router, a.threads)
             try:
-                r = agent_run(front.url, nodes, convs, a.concurrency, a.max_tokens)
+                r = agent_run(front.url, nodes, convs, a.concurrency, a.max_tokens, a.workload == "live")
             finally:
                 undeploy(front, nodes)
             print(router, json.dumps(r), flush=True)
@@ -155,9 +182,9 @@ def agent(a) -> dict:
     ratio = {k: round(med("kv", k) / med("round-robin", k), 4) if med("round-robin", k) else None
              for k in ("hit_rate", "ttft_ms_median", "ttft_ms_p90", "tokens_per_s", "suffix_acceptance")}
     return {"runs": runs, "kv_over_round_robin": ratio,
-            "config": {"nodes": 2, "concurrency": a.concurrency, "max_tokens": a.max_tokens, "runs": a.runs,
-                       "threads_per_node": a.threads, "sessions": len(convs),
-                       "turns": sum(len(c) for c in convs), "prompts": str(AGENT)}}
+            "config": {"nodes": 2, "workload": a.workload, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+                       "runs": a.runs, "threads_per_node": a.threads, "sessions": len(convs),
+                       "turns": sum(m["role"] == "user" for c in convs for m in c), "prompts": str(AGENT)}}
 
 
 def front(a) -> dict:
@@ -197,6 +224,7 @@ def main(argv=None) -> int:
             p.add_argument("--runs", type=int, default=2)
             p.add_argument("--concurrency", type=int, default=4)
             p.add_argument("--threads", type=int, default=1, help="engine threads per node")
+            p.add_argument("--workload", default="live", choices=["live", "recorded"])
         else:
             p.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)

@@ -118,3 +118,52 @@ def test_events_go_out_in_vllm_format_and_a_late_subscriber_is_told_what_is_held
     finally:
         sub.close(linger=0)
         pub.close()
+
+
+def test_a_dynamo_request_becomes_the_generators_inputs_and_what_cannot_be_honoured_is_refused():
+    from backend.serve.dynamo.protocol import Refused, generator_fields
+
+    req = {"token_ids": [1, 2, 3], "annotations": ["drafter:prompt-lookup", "num_draft_tokens:4", "other:x"],
+           "sampling_options": {"temperature": 0.7, "top_k": -1, "top_p": 0.9, "min_p": 0.05, "seed": 9,
+                                "presence_penalty": 0, "repetition_penalty": 1, "n": 1},
+           "stop_conditions": {"max_tokens": 12, "ignore_eos": True, "stop_token_ids_hidden": [2]},
+           "output_options": {"logprobs": None}}
+    assert generator_fields(req) == {"input_ids": [1, 2, 3], "stream": True, "temperature": 0.7, "top_p": 0.9,
+                                     "min_p": 0.05, "top_k": 0, "random_seed": 9, "max_tokens": 12, "end_id": -1,
+                                     "drafter": "prompt-lookup", "num_draft_tokens": 4}
+    assert generator_fields({"token_ids": [5]})["temperature"] == 1.0          # OpenAI's default, as our door's
+    for bad, field in ((dict(req, sampling_options={"presence_penalty": 0.5}), "presence_penalty"),
+                       (dict(req, sampling_options={"n": 2}), "n"),
+                       (dict(req, output_options={"logprobs": 3}), "logprobs"),
+                       (dict(req, stop_conditions={"min_tokens": 4}), "min_tokens"),
+                       (dict(req, stop_conditions={"stop_token_ids": [7]}), "stop_token_ids"),
+                       (dict(req, annotations=["num_draft_tokens:four"]), "num_draft_tokens"),
+                       (dict(req, token_ids=[]), "token_ids")):
+        with pytest.raises(Refused, match=field):
+            generator_fields(bad)
+
+
+def test_the_generators_responses_become_new_token_chunks_and_a_last_one_with_usage():
+    from backend.serve.dynamo.protocol import Stream
+
+    s = Stream(prompt_tokens=10)
+    assert s.chunk({"output_ids": 198, "finish_reason": ""}) == {"token_ids": [198], "index": 0}   # a bare 1-element tensor
+    assert s.chunk({"output_ids": [198, 5, 6], "finish_reason": ""}) == {"token_ids": [5, 6], "index": 0}
+    last = s.chunk({"output_ids": [198, 5, 6, 7], "finish_reason": "length", "output_token_count": 4,
+                    "cached_prompt_tokens": 8})
+    assert last == {"token_ids": [7], "index": 0, "finish_reason": "length",
+                    "completion_usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                                         "prompt_tokens_details": {"cached_tokens": 8}}}
+
+
+@pytest.mark.parametrize("flags, says", [(["--nodes", "-1"], "--nodes must be >= 0"),
+                                         (["--nodes", "2", "--dynamo-node"], "choose one"),
+                                         (["--dynamo-node", "--dynamo-frontend"], "choose one"),
+                                         (["--nodes", "2", "--migration-limit", "-1"], "--migration-limit")])
+def test_scale_out_flags_that_make_no_sense_are_one_line_and_exit_2(flags, says, tmp_path, capsys):
+    from backend.cli import main
+
+    assert main(["serve", "--model-repository", str(tmp_path / "none"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdec serve: error:") and says in err and "\n" not in err
+    assert not (tmp_path / "none").exists()                     # refused before anything was built

@@ -259,9 +259,9 @@ def serve(args, repo: Path) -> int:
     finally:
         say("stopping (draining: the frontend, the workers, the servers) ...")
         codes = [front.stop() if front else None]
-        for node in nodes:
-            node.worker.stop()
-        codes += [node.supervisor.stop() for node in nodes]
+        with ThreadPoolExecutor(max(1, count)) as pool:          # each worker's grace period at once
+            list(pool.map(lambda n: n.worker.stop(), nodes))
+            codes += list(pool.map(lambda n: n.supervisor.stop(), nodes))
         say(f"stopped (exit codes {codes})")
     return 0 if all(c in (0, None) for c in codes[1:]) else 1
 
