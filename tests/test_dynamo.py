@@ -40,6 +40,7 @@ class NodeInfo:
     metrics_url: str
     pid: int
     worker_pid: int
+    system_url: str                   # the worker's /health and /metrics
 
 
 class Launched:
@@ -93,7 +94,7 @@ def deployment(built_repo, tmp_path_factory):
     cli = Launched(["--nodes", "2", "--model-repository", str(built_repo), "--openai-port", str(free_port())],
                    env, work / "serve.log")
     print(f"2 nodes and the frontend up in {time.time() - t0:.1f}s")
-    nodes = [NodeInfo(m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))
+    nodes = [NodeInfo(m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6))
              for m in (NODE_LINE.search(x) for x in cli.lines) if m]
     door = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, nodes[0].http_url), free_port()).start()
     yield Deployment(cli, cli.find(r"OpenAI   (http://\S+)/v1").group(1), nodes, str(work / "discovery"),
@@ -191,6 +192,21 @@ def test_prompts_sharing_a_prefix_land_on_the_node_that_cached_it(deployment, bu
         assert rr.stop() == 0
     print("kv cached tokens", kv, "round-robin", robin)
     assert robin.count(0) == 2, robin                     # each node's first sight of the family
+
+
+def test_each_worker_relays_its_nodes_kv_events_and_load(deployment):
+    """The generator's BlockStored events reached Dynamo's ZMQ source in the worker (the router's
+    index is fed from them), and each worker publishes the load the router weighs: its KV blocks
+    (32 sequences x 2048 tokens / 16) and, where it served the family above, its hit rate."""
+    texts = [urllib.request.urlopen(f"{n.system_url}/metrics", timeout=10).read().decode() for n in deployment.nodes]
+    stored = [metric_value(t, "dynamo_component_kv_publisher_zmq_events_total", event_type="stored", stage="accepted")
+              for t in texts]
+    assert sum(stored) > 0, stored
+    assert [metric_value(t, "dynamo_component_total_blocks") for t in texts] == [4096, 4096]
+    assert max(metric_value(t, "dynamo_component_kv_cache_hit_rate") for t in texts) > 0
+    for n in deployment.nodes:
+        with urllib.request.urlopen(f"{n.system_url}/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ready"
 
 
 PROMPTS = ("Explain TCP vs UDP in two sentences.", "Write a haiku about the sea.",
