@@ -1,5 +1,6 @@
 """Issue 31's load on the real server, and what it once broke: a mixed load with client
-disconnects through `specdec` and the ensemble loses no request, restarts no model process,
+disconnects through `specdec` and the ensemble (a share of it through our OpenAI door and through
+NVIDIA Dynamo's frontend with the server as its node) loses no request, restarts no model process,
 frees everything and keeps the generator's memory flat; no model process frees a tensor without
 the GIL (the cause of the crashes, watched with gdb); a clean stop leaves no crash behind
 (the metrics' destructors at exit: "segfault at 60"). docs/perf-notes.md section 14."""

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import urllib.request
 from pathlib import Path
@@ -49,7 +50,7 @@ from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, Work
 log = logging.getLogger("specdec.dynamo")
 MODEL = "generator"
 SNAPSHOT_S = 0.5            # how often the router's load signal is refreshed
-MAX_BATCH = 32              # the generator's max_active_batch (model_repository/generator)
+DEFAULT_BATCH = 32          # the generator's max_active_batch when its config does not say
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +67,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def max_batch(repo: Path) -> int:
+    """The sequences the generator decodes at once (its model parameter max_active_batch)."""
+    try:
+        text = (repo / "generator" / "config.pbtxt").read_text()
+    except OSError:
+        return DEFAULT_BATCH
+    m = re.search(r'key:\s*"max_active_batch"\s*value:\s*\{\s*string_value:\s*"(\d+)"', text)
+    return int(m.group(1)) if m else DEFAULT_BATCH
+
+
 def triton_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=2) as r:
@@ -80,6 +91,7 @@ class SpecdecEngine(LLMEngine):
 
         self.args, self.card = args, card
         self.manifest = EngineManifest.load(Path(args.model_repository) / ENGINE_SUBDIR)
+        self.max_batch = max_batch(Path(args.model_repository))
         self.triton: TritonHTTP | None = None
         self.inflight: dict[str, list[int]] = {}      # request id -> [prompt tokens, produced]
         self.hits = [0, 0]                            # prompt tokens cached, prompt tokens seen
@@ -101,7 +113,7 @@ class SpecdecEngine(LLMEngine):
 
     @property
     def total_blocks(self) -> int:
-        return MAX_BATCH * math.ceil(self.manifest.max_seq_len / BLOCK_TOKENS)
+        return self.max_batch * math.ceil(self.manifest.max_seq_len / BLOCK_TOKENS)
 
     async def start(self, worker_id: int) -> EngineConfig:
         while not triton_ready(self.args.triton_url):          # started after it is ready: a restart races
@@ -113,7 +125,7 @@ class SpecdecEngine(LLMEngine):
         return EngineConfig(model=str(self.card), served_model_name=self.args.model_name,
                             llm=LlmRegistration(context_length=self.manifest.max_seq_len,
                                                 kv_cache_block_size=BLOCK_TOKENS, total_kv_blocks=self.total_blocks,
-                                                max_num_seqs=MAX_BATCH))
+                                                max_num_seqs=self.max_batch))
 
     async def kv_event_sources(self):
         return [ZmqSource(endpoint=self.args.kv_events)] if self.args.kv_events else []
@@ -156,20 +168,20 @@ class SpecdecEngine(LLMEngine):
                     self.inflight[rid][1] = stream.sent
                     yield chunk
         except TritonFailure as exc:
-            raise self._failure(exc) from None
+            raise await self._failure(exc) from None
         finally:
             self.inflight.pop(rid, None)
         self.hits[0] += int(stream.stats.get("cached_prompt_tokens", 0))
         self.hits[1] += stream.prompt_tokens
 
-    def _failure(self, exc: TritonFailure) -> Exception:
+    async def _failure(self, exc: TritonFailure) -> Exception:
         """A failed Triton request as Dynamo's error: the node's refusal, or the node is gone."""
         code = triton_io.error_code(exc.message)
         if code == "INVALID_ARG":
             return InvalidArgument(exc.message)
         if code == "UNAVAILABLE":
             return WorkerUnavailable(exc.message)
-        if exc.unreachable or not triton_ready(self.args.triton_url):
+        if exc.unreachable or not await asyncio.to_thread(triton_ready, self.args.triton_url):
             self._leave(exc.message)
             return EngineShutdown(f"the node's tritonserver is gone ({exc.message})")
         return Unknown(exc.message)
