@@ -160,6 +160,7 @@ def cmd_serve(args) -> int:
     from backend.serve.launcher import TritonServer
     from backend.serve.supervisor import Supervisor
 
+    dynamo = _check_dynamo_args(args)
     repo = Path(args.model_repository)
     manifest = repo / ENGINE_SUBDIR / "manifest.json"
     if not manifest.exists() and not (repo / "draft" / "config.pbtxt").exists():
@@ -177,6 +178,10 @@ def cmd_serve(args) -> int:
     if problem:
         print(problem, flush=True)
         return 2
+    if dynamo:
+        from backend.serve.dynamo.launch import serve
+
+        return serve(args, repo)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()
@@ -201,6 +206,19 @@ def cmd_serve(args) -> int:
     rc = supervisor.stop()
     print(f"stopped (exit code {rc})", flush=True)
     return 0 if rc in (0, None) else 1
+
+
+def _check_dynamo_args(args) -> bool:
+    """Whether `specdec serve` puts nodes behind NVIDIA Dynamo (docs/scale-out.md); its flags checked."""
+    from backend.errors import UserError
+
+    if args.nodes < 0:
+        raise UserError(f"--nodes must be >= 0, got {args.nodes}")
+    if sum(map(bool, (args.nodes, args.dynamo_node, args.dynamo_frontend))) > 1:
+        raise UserError("--nodes, --dynamo-node and --dynamo-frontend are three ways to serve: choose one")
+    if args.migration_limit < 0:
+        raise UserError(f"--migration-limit must be >= 0, got {args.migration_limit}")
+    return bool(args.nodes or args.dynamo_node or args.dynamo_frontend)
 
 
 def _start_openai(args, engine_dir: Path, triton_http_url: str, supervisor):

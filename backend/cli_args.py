@@ -57,6 +57,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="drafts to build on first run (default: self:4 and the committed EAGLE head)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--log-file", default=None)
+    scale = p.add_argument_group("scale-out behind NVIDIA Dynamo (docs/scale-out.md)")
+    scale.add_argument("--nodes", type=int, default=0,
+                       help="N nodes on this machine behind Dynamo's frontend (KV-aware router, request "
+                            "migration); the frontend serves the OpenAI API on --openai-port")
+    scale.add_argument("--router", default="kv", choices=["kv", "round-robin"],
+                       help="how the frontend picks a node: kv (where the prompt's prefix is cached, "
+                            "and the load), round-robin")
+    scale.add_argument("--dynamo-node", action="store_true",
+                       help="serve this machine as one node of a Dynamo deployment (found through --discovery)")
+    scale.add_argument("--dynamo-frontend", action="store_true",
+                       help="serve Dynamo's frontend only, for the nodes it discovers")
+    scale.add_argument("--discovery", default="file", choices=["file", "etcd", "kubernetes"],
+                       help="how frontend and nodes find each other: file (one machine; $DYN_FILE_KV, "
+                            "else a new directory), etcd ($ETCD_ENDPOINTS), kubernetes")
+    scale.add_argument("--namespace", default="specdec", help="Dynamo namespace of the deployment")
+    scale.add_argument("--migration-limit", type=int, default=3,
+                       help="times the frontend may move a request to another node when its node dies")
+    scale.add_argument("--openai-host", default="127.0.0.1",
+                       help="address Dynamo's frontend listens on (0.0.0.0 to serve other machines)")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

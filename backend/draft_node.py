@@ -33,7 +33,7 @@ class Shadow:
         self.output_ids = [tokens[-1]]
         self.params = SamplingParams()
         self.noise: PositionNoise | None = None
-        self.position = 0                            # the target's len(output_ids)
+        self.position = 0                            # the target's sequence position (its noise key)
         self.last_draft: Draft | None = None
 
     def all_ids(self) -> list[int]:

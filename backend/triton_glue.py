@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend import triton_io
+from backend import kv_events, triton_io
 from backend.config import (PREFIX_CACHE_MB, DrafterKind, RemoteDraft, RequestError, RuntimeOptions,
                             ServeConfig, SpecConfig)
 from backend.sequence import StepOutput
@@ -355,6 +355,10 @@ class Service:
                 d.on_vocab = self.metrics.on_vocab
         self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
         self._count = 0
+        self.kv_events = None
+        if os.environ.get(kv_events.ENV):              # a node behind a KV-aware router (scale-out)
+            self.kv_events = kv_events.attach(getattr(self.decoder.target, "prefix_cache", None),
+                                              os.environ[kv_events.ENV])
 
     def handle(self, request) -> None:
         pb = self.pb
@@ -388,4 +392,6 @@ class Service:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.registry.close()

@@ -1,5 +1,6 @@
 """Issue 31's load on the real server, and what it once broke: a mixed load with client
-disconnects through `specdec` and the ensemble loses no request, restarts no model process,
+disconnects through `specdec` and the ensemble (a share of it through our OpenAI door and through
+NVIDIA Dynamo's frontend with the server as its node) loses no request, restarts no model process,
 frees everything and keeps the generator's memory flat; no model process frees a tensor without
 the GIL (the cause of the crashes, watched with gdb); a clean stop leaves no crash behind
 (the metrics' destructors at exit: "segfault at 60"). docs/perf-notes.md section 14."""
@@ -21,10 +22,32 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def soak_server(built_repo, tmp_path_factory):
-    srv = TritonServer(built_repo, log_file=tmp_path_factory.mktemp("soak") / "server.log")
+    """The server, its generator publishing KV events (a node of a Dynamo deployment: soak_dynamo)."""
+    from backend.serve.dynamo.launch import node_env
+
+    srv = TritonServer(built_repo, log_file=tmp_path_factory.mktemp("soak") / "server.log", env=node_env())
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def soak_dynamo(soak_server, tmp_path_factory):
+    """NVIDIA Dynamo's frontend (KV router) with the soak's server as its one node (issue 52): a
+    quarter of the specdec soak's requests go through it (docs/scale-out.md)."""
+    from backend.serve.dynamo.launch import Deployment, Frontend, Worker
+    from backend.serve.launcher import free_port
+
+    logs = tmp_path_factory.mktemp("soak-dynamo")
+    deployment = Deployment(store=logs / "discovery")
+    worker = Worker(soak_server, deployment, log_dir=logs).start()
+    front = Frontend(deployment, free_port(), "kv", log_file=logs / "frontend.log").start()
+    try:
+        front.wait(1)
+        yield front
+    finally:
+        front.stop()
+        worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +98,17 @@ _warm: list[str] = []
 
 
 @pytest.mark.parametrize("model", ["specdec", "ensemble"])
-def test_soak_with_disconnects_loses_nothing(soak_server, soak_front, model):
+def test_soak_with_disconnects_loses_nothing(soak_server, soak_front, soak_dynamo, model):
     """240 streams, 12 at a time, every drafter, greedy and seeded sampling, every third client
-    gone after three events (for `specdec`, every other request through the OpenAI front): every
+    gone after three events (for `specdec`, a quarter through the OpenAI front and a quarter
+    through Dynamo's frontend): every
     other stream ends with a finish reason, no model process restarts, every sequence is freed,
     and the generator's memory after a warm-up of 240 stays within 10% (or, past a new high-water
     mark, grows no further over another 240). The warm-up runs once (the first model's): both
     models drive the one generator."""
     srv = soak_server
     door = f"{soak_front.host}:{soak_front.port}" if model == "specdec" else None
+    dynamo = soak_dynamo.url.split("//")[1] if model == "specdec" else None
     before = live_stubs(srv)
     # warm-up: the process's high-water mark (KV pages first touched, buffers grown to the
     # largest step, allocator arenas) is reached within a few hundred requests of this mix and
@@ -95,7 +120,8 @@ def test_soak_with_disconnects_loses_nothing(soak_server, soak_front, model):
         assert not warm.failed, warm.as_dict()
         _warm.append(model)
     rss0 = srv.rss_bytes()["generator_0_0"]
-    result = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS, openai_url=door)
+    result = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS, openai_url=door,
+                      dynamo_url=dynamo)
     print(model, result.as_dict())
     assert not result.failed, result.as_dict()
     assert result.completed == 160 and result.disconnected == 80, result.as_dict()
@@ -110,7 +136,8 @@ def test_soak_with_disconnects_loses_nothing(soak_server, soak_front, model):
         # a high-water mark the warm-up never reached (a step with more logit rows than any
         # before grows its buffers once: +54 MiB seen once in four CI runs) is not a leak; a
         # leak grows again over the same load, so run it again and ask for no further growth
-        again = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS, openai_url=door)
+        again = soak.run(srv.http_url, model, requests=240, concurrency=12, max_tokens=SOAK_TOKENS, openai_url=door,
+                         dynamo_url=dynamo)
         assert not again.failed, again.as_dict()
         rss2 = srv.rss_bytes()["generator_0_0"]
         print(f"generator RSS after another 240: {rss2 / 2 ** 20:.0f} MiB")

@@ -139,7 +139,7 @@ class RemoteDrafter:
             ids = s.all_ids()
             row = {"key": sync.key, "synced": sync.synced, "tokens": [int(t) for t in ids[sync.synced:]],
                    "budget": int(max_tokens[i]), "params": params_json(s.params), "seed": int(s.noise.seed),
-                   "position": len(s.output_ids)}
+                   "position": s.position}
             if self.traits.needs_hidden:
                 have = np.concatenate(sync.feats) if sync.feats else np.zeros((0, 0), np.float32)
                 sync.feats = [have]

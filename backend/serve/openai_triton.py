@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -87,7 +88,18 @@ class TritonHTTP:
             await self.session.close()
 
     async def generate(self, model: str, fields: dict) -> AsyncIterator[Piece]:
-        """Stream one request; raises TritonFailure. Closing the iterator early cancels the request."""
+        """Stream one request's text; raises TritonFailure. Closing the iterator early cancels the request."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        async with contextlib.aclosing(self.events(model, fields)) as events:   # closed with us: the cancel
+            async for event in events:
+                finished = bool(event.get("finish_reason"))
+                raw = event.get(triton_io.TEXT_OUTPUT, "").encode("utf-8", "surrogateescape")
+                yield Piece(decoder.decode(raw, final=finished), _stats(event) if finished else None)
+
+    async def events(self, model: str, fields: dict) -> AsyncIterator[dict]:
+        """Stream one request's responses as they came (the outputs by name; a BYTES output as
+        the str of its raw bytes, `surrogateescape`), up to the one whose finish_reason is set;
+        raises TritonFailure. Closing the iterator early cancels the request."""
         import aiohttp
 
         resp = None
@@ -101,7 +113,6 @@ class TritonHTTP:
                 raise TritonFailure(f"Triton HTTP: {type(exc).__name__}: {exc}", unreachable=True) from None
             if resp.content_type != "text/event-stream":
                 raise await _refusal(resp)         # refused before the model saw it (finished: no body left)
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
             content = resp.content
             while True:
                 try:
@@ -117,8 +128,7 @@ class TritonHTTP:
                     finished = True                # the model's answer, complete: read its end, not cut it
                     raise TritonFailure(str(event["error"]))
                 finished = bool(event.get("finish_reason"))
-                raw = event.get(triton_io.TEXT_OUTPUT, "").encode("utf-8", "surrogateescape")
-                yield Piece(decoder.decode(raw, final=finished), _stats(event) if finished else None)
+                yield event
                 if finished:
                     return
         finally:
