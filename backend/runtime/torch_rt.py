@@ -184,9 +184,10 @@ class TorchRuntime(SlotSequences):
 
     # --- verify ------------------------------------------------------------------------------
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
-        """On a GPU, the verify kernel on the device logits (only accepted paths come back);
-        elsewhere backend/verify.py on the host (the kernel's reference)."""
-        if self.device.type != "cuda":
+        """With the kernels (a GPU's; a CPU's where set, in Triton's interpreter), the verify
+        kernel on the device logits (only accepted paths come back); else backend/verify.py on
+        the host (the kernel's reference)."""
+        if not self.kernels:
             return verify_on_host(out, drafts, params, noises, positions)
         from plugins import kernels
 
