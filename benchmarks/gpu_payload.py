@@ -107,10 +107,32 @@ def prepare(gguf: Path, out: Path) -> list[Path]:
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 
+def small_tokenizer(model: Path, dest: Path, vocab: int) -> None:
+    """The dry run's tokenizer.json: a byte-level BPE of `vocab` ids trained here on the bench's
+    prompts, with model/'s special tokens at their ids (its chat template then reads the same);
+    the interpreter runs the LM head's columns a program at a time, and the real 49152 would
+    cost seconds a token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from backend.bench.prompt_sets import default_prompts, load_prompts
+
+    added = json.loads((model / "tokenizer.json").read_text())["added_tokens"]
+    specials = [t["content"] for t in sorted(added, key=lambda t: t["id"]) if t["special"]]
+    assert [t["id"] for t in sorted(added, key=lambda t: t["id"])][: len(specials)] == list(range(len(specials)))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for p in load_prompts(default_prompts()) for m in p["messages"]]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(dest / "tokenizer.json"))
+
+
 def random_checkpoint(model: Path, dest: Path, overrides: dict | None = None, seed: int = 0) -> Path:
     """A Hugging Face checkpoint in dest/: model/'s tokenizer files, its config.json with
-    `overrides` (the dry run's small shape), and model.safetensors of random bf16 weights (the
-    scales of gpu_steps.random_tensors: embedding N(0, 1), linears N(0, 0.02), norms 1)."""
+    `overrides` (the dry run's small shape; a smaller vocab_size: small_tokenizer's), and
+    model.safetensors of random bf16 weights (the scales of gpu_steps.random_tensors: embedding
+    N(0, 1), linears N(0, 0.02), norms 1)."""
     import torch
     from safetensors.torch import save_file
 
@@ -118,6 +140,8 @@ def random_checkpoint(model: Path, dest: Path, overrides: dict | None = None, se
     for name in TOKENIZER_FILES:
         shutil.copyfile(model / name, dest / name)
     cfg = {**json.loads((model / "config.json").read_text()), **(overrides or {})}
+    if cfg["vocab_size"] < json.loads((model / "config.json").read_text())["vocab_size"]:
+        small_tokenizer(model, dest, cfg["vocab_size"])
     (dest / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     g = torch.Generator().manual_seed(seed)
     h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]

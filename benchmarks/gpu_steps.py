@@ -29,10 +29,12 @@ SHAPES = {   # the real run's shapes: the embedded model's and Llama-3-8B's
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, True),
     "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, False),
 }
-TINY = {     # the dry run's stand-ins (block128 needs K >= 128; intermediate 1024: the down linear
-             # splits K, kernels.linear_plan, as the real shapes' do)
-    "smollm2-135m": ModelConfig("llama", 512, 128, 1024, 2, 4, 2, 32, 1e-5, 10000.0, 1024, True),
-    "llama3-8b": ModelConfig("llama", 640, 256, 1024, 2, 4, 2, 64, 1e-5, 10000.0, 1024, False),
+TINY = {     # the dry run's stand-ins, as small as covers the code: the interpreter's time goes with
+             # the programs a step launches (its columns and tokens). block128 needs K >= 128; the
+             # 8B one's down linear splits K (intermediate 1024, kernels.linear_plan) as the real
+             # shapes' do, in one layer
+    "smollm2-135m": ModelConfig("llama", 256, 64, 128, 2, 2, 1, 32, 1e-5, 10000.0, 1024, True),
+    "llama3-8b": ModelConfig("llama", 256, 128, 1024, 1, 2, 1, 64, 1e-5, 10000.0, 1024, False),
 }
 
 
@@ -43,7 +45,8 @@ class Plan:
     context: int            # committed tokens before timing
     widths: tuple           # tree nodes per row
     batches: tuple
-    reps: int               # timed forwards per point (a decode point: 3x)
+    reps: int               # timed forwards per point
+    decode_reps: int        # per decode point (fp8_decode)
     warmup: int             # untimed forwards before them
     prompt: int             # the logits check's prompt
     chain: int              # the invariance check's verified chain
@@ -51,11 +54,11 @@ class Plan:
 
     @classmethod
     def real(cls) -> "Plan":
-        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 2, 200, 16, 2048)
+        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 30, 2, 200, 16, 2048)
 
     @classmethod
     def dry(cls) -> "Plan":
-        return cls("cpu", TINY, 24, (1, 2, 16), (1, 2), 1, 1, 12, 4, 64)
+        return cls("cpu", TINY, 4, (1, 2, 4), (1, 2), 1, 1, 0, 6, 4, 64)
 
 
 def sync(device: str) -> None:
@@ -101,7 +104,7 @@ def runtime(cfg, tensors, device, max_seq_len=1024, slots=33, dtype=torch.bfloat
     linears; invariant False on a GPU: cuBLAS)."""
     rt = TorchRuntime(None, cfg, cfg.num_layers, max_seq_len, RuntimeOptions(max_sequences=slots, cuda_graphs=graphs),
                       device, tensors=tensors, dtype=dtype, fp8_recipe=recipe)
-    rt.kernels = kernels
+    rt.kernels = rt.device_verify = kernels
     rt.model.invariant = invariant
     rt.use_graphs = graphs
     return rt
@@ -258,8 +261,9 @@ def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int,
     prompts = load_prompts(default_prompts())[:limit]
     spec = SpecConfig(num_draft_tokens=k, prompt_lookup_width=1)        # the CLI's defaults
     dec = make_decoder(ServeConfig(engine_dir=str(Path(repo) / ENGINE_SUBDIR), spec=spec))
-    if gpu_path:
+    if gpu_path:        # the shortest prompt: the interpreter's prefill grows with its square
         set_gpu_path(dec.target)
+        prompts = [min(load_prompts(default_prompts()), key=lambda p: len(json.dumps(p["messages"])))]
     warm = sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, log=lambda *a: None)
     sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, out_json=Path(out_json))
     result = json.loads(Path(out_json).read_text())
@@ -274,7 +278,7 @@ def set_gpu_path(rt: TorchRuntime) -> None:
     GPU (attention, verification, linears, norms and the fused step by the Triton kernels, in
     the interpreter here; graphs by EagerGraph). The dry run's only: a CPU serves the other way
     because the interpreter is slow, not because the results differ."""
-    rt.kernels = True
+    rt.kernels = rt.device_verify = True
     rt.model.invariant = True
     rt.use_graphs = True
 

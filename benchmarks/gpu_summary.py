@@ -34,6 +34,7 @@ class Check:
     value: object = None
     seconds: float = 0.0
     limit: float | None = None
+    cpu_seconds: float | None = None
     detail: str = ""
     kernels: dict | None = None
 

@@ -167,7 +167,7 @@ def cost_curve(plan: Plan, name: str, fmt: str = "bf16", batches=None, recipe=No
 
 def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invariant: bool = True,
                  bw=None, log=print, w8a8_max: int | None = None) -> dict:
-    """Plain decode (batch 1 and 8) on the 8B shape: tokens/s and each batch's `speed`; FP8 by
+    """Plain decode (batch 1 and 8; the dry run's 1 and 2) on the 8B shape: tokens/s and each batch's `speed`; FP8 by
     `recipe`, with whether torch._scaled_mm runs it here (else emulated). invariant False: the
     linears by torch (cuBLAS on a GPU), the row beside the Triton linear (the GPU's default).
     `w8a8_max`: also the build's W8A8-vs-W8A16 measurement by width up to it
@@ -181,9 +181,9 @@ def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invaria
     if w8a8_max is not None and recipe is not None:
         out["w8a8_width"] = w8a8.measure(rt.model, w8a8_max, reps=max(1, plan.reps // 3))
         log(f"8B-shape W8A8 vs W8A16 by width ({recipe.label}): {out['w8a8_width']}")
-    for b in (1, 8):
+    for b in plan.batches[:2]:
         prefill(rt, list(range(b)), prompt_ids(cfg, plan.context, b))
-        row = measure(rt, plan, b, 1, plan.reps * 3, 0, bw, True)
+        row = measure(rt, plan, b, 1, plan.decode_reps, 0, bw, True)
         out[f"b{b}_tokens_per_s"] = round(1000 * b / row["ms"], 1)
         out[f"b{b}"] = row
         for i in range(b):
@@ -194,7 +194,7 @@ def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invaria
         torch.cuda.empty_cache()
     log(f"8B-shape decode {recipe.label if recipe else fmt}{'' if out['triton_linear'] else ' (torch linears)'}: "
         f"b1 {out['b1_tokens_per_s']} tok/s ({out['b1'].get('of_bandwidth', '-')} of bandwidth), "
-        f"b8 {out['b8_tokens_per_s']} tok/s")
+        f"b{plan.batches[1]} {out[f'b{plan.batches[1]}_tokens_per_s']} tok/s")
     return out
 
 
