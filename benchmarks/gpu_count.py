@@ -1,7 +1,8 @@
 """Which kernels a step of the GPU check ran, counted by name (issue 49, point 1): the same count on
 the GPU and on the dry run's CPU, so the dry run can prove that it ran the GPU's code.
 
-Counted while a `Count` is active (a context manager; counts add up over nested ones):
+Counted while a `Count` is active (a context manager; counts add up over nested ones), each call
+once it returned (one that raised ran nothing):
     <kernel name>         a Triton launch through plugins.kernels.launch (the one launch point of
                           plugins/kernels.py and plugins/fused.py); `[W8]` appended where the launch
                           reads FP8 codes (the W8A16 linear's split and fused gate_up programs),
@@ -74,15 +75,16 @@ def _patch() -> None:
              (base, "verify_on_host"): base.verify_on_host}
     Count._saved = saved
 
-    def counted(name, fn):
+    def counted(name, fn):              # counted once it returned: a call that raised ran nothing
         def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
             Count.add(name)
-            return fn(*args, **kwargs)
+            return out
         return run
 
     def launch(kernel, grid, *args, **kwargs):
+        saved[(kernels, "launch")](kernel, grid, *args, **kwargs)
         Count.add(_kernel_name(kernel, kwargs))
-        return saved[(kernels, "launch")](kernel, grid, *args, **kwargs)
 
     kernels.launch = launch
     torch._scaled_mm = counted("torch._scaled_mm", saved[(torch, "_scaled_mm")])

@@ -96,7 +96,7 @@ def test_a_step_that_raises_names_where_to_look_and_fails_the_run(tmp_path, monk
 
 
 def test_a_real_runs_targets_are_met_not_met_or_not_measured_and_the_verdict_comes_last():
-    fp8 = {"by_format": {"bf16": {"b1": {"ms": 4.2, "of_bandwidth": 0.55}}, "w8a16": {"b1": {"ms": 3.1}}},
+    fp8 = {"by_format": {"bf16": {"b1": {"ms": 4.2, "of_bandwidth": 0.55, "floor_ms": 3.5}}, "w8a16": {"b1": {"ms": 3.1}}},
            "w8a8_width": {"w8a8_from": None, "reason": "never faster"}}
     s = Summary(dry_run=False, machine={"gpu": "NVIDIA H100"}, code={"commit": "abc123", "dirty_diff_sha256": None},
                 checks=[Check("fp8_decode", "w", "t", "x.py f", status="pass", value=fp8),
@@ -112,6 +112,7 @@ def test_a_real_runs_targets_are_met_not_met_or_not_measured_and_the_verdict_com
     assert "speculative output identical to plain (spec bench)" in v.split("not measured: ")[1]
     assert "NVIDIA H100" in v and "commit abc123" in v
     assert not s.ok and s.markdown().strip().splitlines()[-1] == v
+    assert "| <= 4.6 | 4.2 (floor 3.5 ms at the measured bandwidth) | met |" in s.markdown()
 
 
 def test_the_counter_counts_kernels_by_name_graphs_and_cpu_fallbacks():
