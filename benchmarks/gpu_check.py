@@ -45,7 +45,7 @@ class Step:
     what: str
     target: str
     look_at: str
-    share: float                  # seconds promised on the GPU (sources: SHARES_FROM)
+    share: float                  # seconds promised on the GPU (their sources: the table above STEPS)
     required: tuple = ()          # kernel names the dry run must have launched (gpu_count.py)
     host_ok: bool = False         # the step may run the CPU fallbacks (its reference does)
     exact_on_cpu: bool = False    # its target holds on the dry run's CPU too (bitwise): judged there

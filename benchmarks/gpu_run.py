@@ -6,8 +6,6 @@ benchmarks/gpu_count.py (their launches by name) with their output appended to O
 
 OUT holds at most six files (a device call brings back eight): gpu_summary.md and .json,
 gpu_check.log (gpu_check.sh's output), steps.log, kernels.json, spec_bench.json.
-
-SHARES_FROM: where each step's share (gpu_check.STEPS, seconds on the GPU) comes from.
 """
 from __future__ import annotations
 
@@ -66,7 +64,7 @@ def machine(dry: bool) -> dict:
     return m
 
 
-def test_results(log_text: str) -> dict:
+def results_of_tests(log_text: str) -> dict:
     """pytest -v's lines (`path::test STATUS`) -> {"passed": n, "failed": [...], "skipped": n,
     "last": the last test reported} (what ran before a cut, too)."""
     rows = [ln.split(" ", 1) for ln in log_text.splitlines() if "::" in ln and ln.startswith("tests/")]
@@ -92,6 +90,7 @@ class Run:
         self.scratch = Path(tempfile.mkdtemp(prefix="specdec_gpu_check_"))   # big files stay out of OUT
         self.sub_counts: dict[str, dict] = {}
         self.partial = lambda value: None
+        self._lacks: dict | None = None
 
     def cpu_lacks(self) -> dict:
         """The GPU code this CPU's torch cannot run (name -> why): the dry run reports it, not a
@@ -102,7 +101,7 @@ class Run:
 
         if not self.dry:
             return {}
-        if not hasattr(self, "_lacks"):
+        if self._lacks is None:
             import torch
 
             ok = probe_scaled_mm(torch.device("cpu"), fp8.recipe("channel-token"))
@@ -185,7 +184,7 @@ class Run:
             names = [ln for ln in self._log_section(f"{step} / pytest").splitlines() if "::" in ln]
             return {"collected": len(names), "first": names[0] if names else None}, code == 0 and bool(names)
         code = self._sub(step, args + ["-v", "-rN"], t, "pytest")
-        r = test_results(self._log_section(f"{step} / pytest"))
+        r = results_of_tests(self._log_section(f"{step} / pytest"))
         if code == -9:
             r["cut"] = f"killed at its limit after {r['last']}"
         return r, code == 0

@@ -154,7 +154,7 @@ def test_pytests_lines_give_each_tests_result_even_when_the_run_was_cut():
            "tests/test_kernels.py::test_a[bf16] FAILED    [ 10%]\n"
            "tests/test_kernels.py::test_b SKIPPED (interpreter only)   [ 15%]\n"
            "tests/test_kernels.py::test_c PASSED    [ 20%]\n")
-    r = gpu_run.test_results(log)
+    r = gpu_run.results_of_tests(log)
     assert r == {"passed": 2, "failed": ["test_a[bf16]"], "skipped": 1, "last": "tests/test_kernels.py::test_c"}
 
 
