@@ -45,6 +45,13 @@ Device.CUDA = Device("cuda")  # torch + Triton kernels (runtime/torch_rt.py); on
 Device.TENSORRT = Device("tensorrt")  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
 
 
+# Every norm weight a layer program may name (ModelConfig.program), in the order an engine file
+# lists a layer's tensors (devices/native/export.py writes them so; build/checkpoint.py converts
+# Gemma's (1 + w) for these): a norm of a new name is a name here, its place in the program and its
+# checkpoint names
+NORMS = ("attn_norm", "hidden_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model description: one decoder architecture as data, read by every implementation (the
@@ -143,7 +150,7 @@ class ModelConfig:
                 Norm("mlp_norm"), Linear("gate_up", ("gate", "up"), 2 * inter),
                 Gate(self.activation), Linear("down", ("down",), h),
                 Residual(post("post_mlp_norm"))]
-        return check(tuple(ops))
+        return check(tuple(ops), NORMS)
 
     def programs(self, num_layers: int | None = None, taps: tuple[int, ...] = (),
                  eagle3: bool = False) -> tuple[tuple[Op, ...], ...]:

@@ -36,11 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Every norm weight a program may name, in the order an engine file lists a layer's tensors
-# (devices/native/export.py writes them so; build/checkpoint.py converts Gemma's (1 + w) for these)
-NORMS = ("attn_norm", "hidden_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
-
-
 @dataclass(frozen=True)
 class Features:
     pass
@@ -98,9 +93,10 @@ KINDS = (Features, Norm, Linear, HeadNorm, Rope, Attention, Gate, Residual)   # 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def check(ops: tuple[Op, ...]) -> tuple[Op, ...]:
-    """`ops` if every engine can run it: known kinds and names, one attention, a Rope or HeadNorm
-    only before it (a HeadNorm before any Rope), a parallel Residual followed by another Residual."""
+def check(ops: tuple[Op, ...], norms: tuple[str, ...]) -> tuple[Op, ...]:
+    """`ops` if every engine can run it: known kinds, norm weights among `norms`, one attention, a
+    Rope or HeadNorm only before it (a HeadNorm before any Rope), a parallel Residual followed by
+    another Residual."""
     assert all(type(op) in KINDS for op in ops), ops
     attention = [j for j, op in enumerate(ops) if isinstance(op, Attention)]
     assert len(attention) == 1, f"a layer has one Attention: {ops}"
@@ -109,12 +105,12 @@ def check(ops: tuple[Op, ...]) -> tuple[Op, ...]:
     assert all(j < r for j, op in enumerate(ops) if isinstance(op, HeadNorm) for r in rope), f"q/k norms before rotary: {ops}"
     for j, op in enumerate(ops):
         if isinstance(op, Norm):
-            assert op.weight in NORMS and (op.feature is None or op.feature in NORMS), op
+            assert op.weight in norms and (op.feature is None or op.feature in norms), op
         elif isinstance(op, Residual):
-            assert op.norm is None or op.norm in NORMS, op
+            assert op.norm is None or op.norm in norms, op
             assert not op.parallel or any(isinstance(o, Residual) and not o.parallel for o in ops[j + 1:]), ops
         elif isinstance(op, HeadNorm):
-            assert op.q in NORMS and op.k in NORMS, op
+            assert op.q in norms and op.k in norms, op
         elif isinstance(op, Gate):
             assert op.act in ACTIVATIONS, op
     return ops

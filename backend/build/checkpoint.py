@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.errors import UserError
-from backend.manifest import ModelConfig
-from backend.program import NORMS
+from backend.manifest import NORMS, ModelConfig
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm", "gemma2", "gemma3", "phi3"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}

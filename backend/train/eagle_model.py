@@ -76,15 +76,12 @@ class EagleHead(nn.Module):
 
     def _attend(self, op: program.Attention, q, k, v, mask):
         """Attention over the sequence (mask [B,1,T,T] additive: causal or a tree) -> [B,T,Hq*D]."""
-        assert op.window == 0, "a head's layer attends to every earlier position"
+        assert op == program.Attention(scale=op.scale), f"a head's layer is a Llama layer's: {op}"
         b, t = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = q @ k.transpose(-1, -2) * op.scale
-        if op.softcap:
-            scores = torch.tanh(scores / op.softcap) * op.softcap
-        att = torch.softmax(scores + mask, dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2) * op.scale + mask, dim=-1)
         return (att @ v).transpose(1, 2).reshape(b, t, self.nh * self.d)
 
     def _layer(self, x, emb, positions, mask):

@@ -464,9 +464,9 @@ static int usable(const sd_matrix *w) {
 }
 
 /* 1 when layer L's program runs as the forward walks it: known kinds, within SD_MAX_OPS; each
- * op given the width it takes (a norm or residual the stream's, the attention's ops q/k/v rows, a
- * linear its matrices' columns in whole int8 blocks, matrices the kernels can run); the layer
- * ending on the stream, no parallel branch left waiting */
+ * op given the width it takes (a residual or an EAGLE-3 head's norm the stream's, the attention's
+ * ops q/k/v rows, a linear its matrices' columns in whole int8 blocks, matrices the kernels can
+ * run); the layer ending on the stream, no parallel branch left waiting */
 static int layer_ok(const sd_model *m, const sd_layer *L) {
     const int h = m->hidden, nqkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     int w = h, pending = 0;
@@ -475,7 +475,7 @@ static int layer_ok(const sd_model *m, const sd_layer *L) {
         const sd_op *op = &L->ops[j];
         switch (op->kind) {
         case SD_OP_FEATURES: break;
-        case SD_OP_NORM: if (w != h) return 0; w = op->w2 ? 2 * h : h; break;
+        case SD_OP_NORM: if (op->w2 && w != h) return 0; w = op->w2 ? 2 * h : w; break;
         case SD_OP_LINEAR: {
             int rows = 0;
             if (w % QBLOCK || op->out <= 0) return 0;

@@ -24,8 +24,7 @@ from backend.build.checkpoint import Checkpoint
 from backend.devices.native.blocks import kind_of, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)
-from backend.manifest import EngineFile, WeightFormat
-from backend.program import NORMS
+from backend.manifest import NORMS, EngineFile, WeightFormat
 
 
 
