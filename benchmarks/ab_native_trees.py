@@ -4,7 +4,8 @@ mirror, cannot load the other's): each side is its own tree's Python (runtime/na
 records) over its own compiled library, the other tree's `backend` and `plugins` imported under
 other names (a copy whose imports are renamed; nothing else changes). Settings: base (the other
 tree), new (this tree), base_AA (the other tree again, a second runtime: the A/A control). B=1
-forwards of T tokens after `--context` tokens, one engine thread, this thread's CPU time, each rep
+forwards of T tokens after `--context` tokens, one engine thread and this thread's CPU time (or
+`--threads N`: N engine threads and wall time, for a quiet machine), each rep
 the settings in rotated order on the same tokens; medians over reps after the first; every
 setting's logits compared bit for bit with base's.
 
@@ -47,24 +48,24 @@ def import_tree(root: Path, prefix: str):
             importlib.import_module(f"{prefix}backend.manifest"), importlib.import_module(f"{prefix}backend.config"))
 
 
-def runtime(native, manifest_mod, config_mod, repo: Path, context: int, prompt: np.ndarray):
-    """A one-thread native runtime of the repository's gguf engine, `prompt` committed."""
+def runtime(native, manifest_mod, config_mod, repo: Path, context: int, prompt: np.ndarray, threads: int):
+    """A `threads`-thread native runtime of the repository's gguf engine, `prompt` committed."""
     m = manifest_mod.EngineManifest.load(repo)
     e = m.engine("gguf")
     rt = native.NativeRuntime(m.resolve(e.path), m.model, e.num_layers, m.max_seq_len,
-                              config_mod.RuntimeOptions(threads=1, max_sequences=1), (), tuple(e.wide_activations))
+                              config_mod.RuntimeOptions(threads=threads, max_sequences=1), (), tuple(e.wide_activations))
     rt.alloc(0)
     rt.forward([0], prompt, np.arange(-1, context - 1, dtype=np.int32)[None], np.full((1, 1), context - 1))
     rt.commit([0], [np.arange(context)])
     return rt
 
 
-def verify_ms(rt, toks: np.ndarray) -> tuple[float, np.ndarray]:
+def verify_ms(rt, toks: np.ndarray, clock) -> tuple[float, np.ndarray]:
     """One forward of toks [1, T] as a chain after the committed context (then dropped)."""
     t = toks.shape[1]
-    t0 = time.thread_time()
+    t0 = clock()
     out = rt.forward([0], toks, np.arange(-1, t - 1, dtype=np.int32)[None], np.arange(t)[None])
-    ms = 1000 * (time.thread_time() - t0)
+    ms = 1000 * (clock() - t0)
     rt.commit([0], [np.array([], np.int64)])
     return ms, out.logits.copy()
 
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--threads", type=int, default=1, help="engine threads; above 1 the clock is wall time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -91,7 +93,9 @@ def main() -> None:
     vocab = sides["new"][1].EngineManifest.load(repo).model.vocab_size
     prompt = rng.integers(3, vocab, (1, args.context))
     settings = ("base", "new", "base_AA")
-    rts = {s: runtime(*sides[s.split("_")[0]], repo, args.context, prompt) for s in settings}
+    rts = {s: runtime(*sides[s.split("_")[0]], repo, args.context, prompt, args.threads) for s in settings}
+    # one thread's CPU time misses the other threads' work: wall time where there are several
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     tokens = [int(t) for t in args.tokens.split(",")]
     got, mismatched = {s: {t: [] for t in tokens} for s in settings}, set()
     for r in range(args.reps + 1):
@@ -99,12 +103,13 @@ def main() -> None:
         for t in tokens:
             toks, first = rng.integers(3, vocab, (1, t)), {}
             for s in order:
-                ms, first[s] = verify_ms(rts[s], toks)
+                ms, first[s] = verify_ms(rts[s], toks, clock)
                 if r:
                     got[s][t].append(ms)
             mismatched |= {s for s, v in first.items() if not np.array_equal(v.view(np.uint32), first["base"].view(np.uint32))}
     med = {s: {t: round(statistics.median(v[t]), 3) for t in tokens} for s, v in got.items()}
-    result = {"reps": args.reps, "context": args.context, "tokens": tokens, "clock": "thread CPU time, one engine thread",
+    result = {"reps": args.reps, "context": args.context, "tokens": tokens, "threads": args.threads,
+              "clock": "thread CPU time" if args.threads == 1 else "wall time",
               "base": {"tree": str(args.base), "commit": git(args.base, "rev-parse", "HEAD")},
               "new": {"tree": str(ROOT), "commit": git(ROOT, "rev-parse", "HEAD"),
                       "dirty": bool(git(ROOT, "status", "--short", "--untracked-files=no"))},

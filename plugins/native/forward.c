@@ -1,8 +1,9 @@
-/* The native CPU decode step: one Llama-family forward over a batch of token trees, straight
+/* The native CPU decode step: one decoder forward over a batch of token trees, straight
  * from GGUF-style 4-bit / 8-bit blocks (built by backend/devices/native/export.py, driven through
  * ctypes by backend/runtime/native.py), composed from the kernels in kernels.h. This file is the
  * model: its structs (mirrored in runtime/native.py, checked at load by sd_abi), the checks of
- * every index a step follows, the KV cache layout, the layer, and the exported entry points.
+ * every index a step follows, the KV cache layout, the layer as a program of ops, and the
+ * exported entry points.
  *
  * Why it exists (docs/perf-notes.md section 12): ONNX Runtime runs our 4-bit graph as ~1400
  * separate kernels, reads ~15% more bytes per token than llama.cpp (fp32 scales, a separate
@@ -47,9 +48,9 @@ typedef struct {
     int32_t act;                         /* GATE: SD_SILU | SD_GELU_TANH */
     int32_t parallel;                    /* RESIDUAL: 1: x stays, this value is added at the next residual */
     float scale, softcap;                /* ATTENTION: q's multiplier; the scores' cap tanh(s / cap), 0: none */
-    const float *w, *w2;                 /* NORM: [H] its weight (NULL: none) and an EAGLE-3 head's feature
-                                            norm (NULL: none); HEAD_NORM: [D] q's and k's; RESIDUAL: [H] the
-                                            value's norm (NULL: none) */
+    const float *w, *w2;                 /* NORM: [its input's width] its weight (NULL: none) and an EAGLE-3
+                                            head's feature norm [H] (NULL: none); HEAD_NORM: [D] q's and k's;
+                                            RESIDUAL: [H] the value's norm (NULL: none) */
     const float *cos, *sin;              /* ROPE: [max_pos, D/2] its table */
     const float *bias;                   /* LINEAR: [out] or NULL */
     sd_matrix mat[3];                    /* LINEAR: fused in mat[0] (mat[1].data NULL), or its parts apart,
