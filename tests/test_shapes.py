@@ -163,3 +163,24 @@ def test_a_tiny_shape_builds_with_the_default_command_and_leaves_out_what_does_n
     notes = []
     assert pipeline.fitting(weights, owners, load_checkpoint(path), notes.append) == weights and notes == []
     assert [w.value for w in weights] == ["gguf", "fp32", "q4"]
+
+
+def test_the_modelled_speedup_prices_each_drafted_depth_on_the_large_model_s_curve():
+    from backend.bench import scale
+
+    cost = {"cost_ratio": {str(t): 1 + 0.1 * (t - 1) for t in scale.COST_TOKENS}}
+    # K = 4: a quarter of the steps draft nothing, the rest 4 tokens; 2.5 tokens a step
+    chain = {"mean_tokens_per_step": 2.5, "drafted_share": [0.25, 0, 0, 0, 0.75], "mean_nodes": 3.0,
+             "chains": True, "identical_to_plain": True}
+    tree = dict(chain, chains=False, mean_nodes=5.0)          # trees: the cost at 1 + mean nodes
+    got = scale.model(cost, {"drafter": "prompt-lookup", "source": "real.gguf", "by_length": {"4": chain, "8": tree}})
+    assert got["by_length"]["4"]["mean_step_cost"] == round(0.25 * 1.0 + 0.75 * 1.4, 4)
+    assert got["by_length"]["8"]["mean_step_cost"] == 1.5
+    assert got["best_length"] == 4 and got["speedup"] == round(2.5 / 1.3, 4) and got["kind"].startswith("model")
+
+
+def test_the_bandwidth_reader_reads_the_whole_buffer_in_threads():
+    from backend.bench import scale
+
+    r = scale.bandwidth(0.05, 2, passes=2)
+    assert r["buffer_bytes"] == int(0.05 * 2 ** 30) // 8 * 8 and r["read_gb_per_s"] > 0 and len(r["readings"]) == 2
