@@ -6,7 +6,7 @@ speculation would buy at a size, modelled from acceptance measured on a real sma
     python -m backend.bench.scale bandwidth --gib 4 --threads 2 --json OUT
     python -m backend.bench.scale costs --repo R --json OUT                # cost(T)/cost(1), T = 1..16
     python -m backend.bench.scale acceptance --repo SMALL --prompts P --drafter prompt-lookup --json OUT
-    python -m backend.bench.scale model --costs COSTS --acceptance ACC [ACC ...] --json OUT
+    python -m backend.bench.scale model --costs COSTS|MANIFEST --acceptance ACC [ACC ...] --json OUT
     python -m backend.bench.scale fidelity --repo R --prompts P --json OUT  # engine vs float32, same weights
 
 benchmarks/vs_llamacpp_scale.py runs `ours` and `bandwidth` alternated with llama.cpp. The model
@@ -45,9 +45,9 @@ def kv_bytes_per_token(cfg) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None) -> dict:
+def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None, warmup: bool = True) -> dict:
     """Plain greedy decoding through the server's decoder on each item's token ids (EOS ignored),
-    after one untimed warm-up item: time to first token, decode tokens/s after it, and the
+    after one untimed warm-up item (unless not `warmup`): time to first token, decode tokens/s after it, and the
     process's resident memory against the engine file plus the KV its longest sequence holds."""
     from backend.build.pipeline import ENGINE_SUBDIR
     from backend.config import DrafterKind, RuntimeOptions, SamplingParams
@@ -58,12 +58,15 @@ def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None) -> 
     from backend.tokenizer import Tokenizer
 
     m = EngineManifest.load(Path(repo) / ENGINE_SUBDIR)
-    base = _rss()
+    tok = Tokenizer.from_manifest(m)
+    base = _rss()                      # the interpreter, numpy, the tokenizer: not the engine's
     t0 = time.perf_counter()
-    dec = SpecDecoder(load_runtime(m, options=RuntimeOptions(threads=threads)), Tokenizer.from_manifest(m), {})
-    load_s = time.perf_counter() - t0
+    dec = SpecDecoder(load_runtime(m, options=RuntimeOptions(threads=threads)), tok, {})
+    load_s, loaded = time.perf_counter() - t0, _rss()
     rows = []
-    for i, item in enumerate([items[0]] + items):
+    for i, item in enumerate(([items[0]] if warmup else [None]) + items):
+        if item is None:
+            continue
         req = Request(tuple(int(x) for x in item["token_ids"]), SamplingParams(max_tokens=new_tokens, ignore_eos=True),
                       DrafterKind.NONE)
         t0 = time.perf_counter()
@@ -80,11 +83,14 @@ def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None) -> 
     longest = max(len(it["token_ids"]) for it in items) + new_tokens
     ef = m.engine()
     rss = _rss()
+    work = getattr(dec.target, "_workspace", None)           # the native kernel's scratch, grown to the largest forward
+    work = int(work.capacity) if work is not None else None
     dec.target.close()
     return {"engine": "specdec", "format": ef.weights.value, "isa": _isa(), "load_s": round(load_s, 2),
             "file_bytes": ef.size_bytes, "weight_bytes_per_token": ef.weight_bytes_per_token,
             "kv_bytes_per_token": kv_bytes_per_token(m.model), "kv_bytes_longest": kv_bytes_per_token(m.model) * longest,
-            "rss_before_load": base, "rss_after": rss, "rss_engine": rss - base,
+            "rss_before_load": base, "rss_after_load": loaded, "rss_after": rss, "rss_engine": rss - base,
+            "workspace_bytes": work,
             "wide_activations": list(ef.wide_activations), "per_prompt": rows, **_overall(rows)}
 
 
@@ -226,8 +232,20 @@ def fidelity(repo: str, prompts: str, max_tokens: int = 256) -> dict:
             "float_logit_std": round(float(b.std()), 4)}
 
 
+def curve(doc: dict) -> dict:
+    """cost(T)/cost(1) from a `costs` result, or from a manifest's cost model (the build's forward
+    ms at M = 1, 2, 4, ..., 64; T between them interpolated)."""
+    if "cost_ratio" in doc:
+        return {"cost_ratio": doc["cost_ratio"], "from": "costs"}
+    cm = doc["cost_model"]
+    t, sec = np.asarray(cm["tokens"], float), np.asarray(cm["seconds"], float)
+    return {"cost_ratio": {str(n): float(np.interp(n, t, sec) / sec[0]) for n in COST_TOKENS},
+            "from": f"the build's cost model (M = {cm['tokens']}, interpolated)"}
+
+
 def model(cost: dict, acc: dict) -> dict:
     """The modelled speed-up (module docstring) of `acc`'s drafter on the cost curve `cost`."""
+    cost = curve(cost)
     ratio = {int(t): r for t, r in cost["cost_ratio"].items()}
     rows = {}
     for k, a in acc["by_length"].items():
@@ -240,6 +258,7 @@ def model(cost: dict, acc: dict) -> dict:
                    "speedup": round(a["mean_tokens_per_step"] / c, 4)}
     best = max(rows, key=lambda k: rows[k]["speedup"])
     return {"kind": "model (not a measurement)", "drafter": acc["drafter"], "acceptance_from": acc["source"],
+            "costs_from": cost["from"],
             "by_length": rows, "best_length": int(best), "speedup": rows[best]["speedup"]}
 
 
@@ -251,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--ids-json", required=True)
     o.add_argument("--new-tokens", type=int, default=64)
     o.add_argument("--threads", type=int, default=None)
+    o.add_argument("--no-warmup", action="store_true", help="no untimed first item (a long-context check)")
     b = sub.add_parser("bandwidth")
     b.add_argument("--gib", type=float, default=4.0)
     b.add_argument("--threads", type=int, default=2)
@@ -275,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     threads = getattr(args, "threads", None)
     if args.what == "ours":
-        result = ours(args.repo, json.loads(Path(args.ids_json).read_text()), args.new_tokens, args.threads)
+        result = ours(args.repo, json.loads(Path(args.ids_json).read_text()), args.new_tokens, args.threads,
+                      not args.no_warmup)
     elif args.what == "bandwidth":
         result = bandwidth(args.gib, args.threads)
     elif args.what == "costs":
