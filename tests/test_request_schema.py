@@ -178,3 +178,22 @@ def doors_table() -> str:
 def test_serving_md_says_which_door_carries_which_input():
     assert doors_table() in (ROOT / "docs" / "serving.md").read_text(), doors_table()
 
+
+def files_naming(word: str) -> list[str]:
+    """The code and template files of backend/, plugins/ and model_repository/ that name `word`."""
+    pattern = re.compile(rf"\b{word}\b")
+    return sorted(str(p.relative_to(ROOT)) for d in ("backend", "plugins", "model_repository")
+                  for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and p.suffix in (".py", ".c", ".h", ".template") and pattern.search(p.read_text(errors="replace")))
+
+
+def test_a_sampling_parameter_is_named_where_architecture_md_counts_it():
+    """min_p, a sampling parameter like any: its meaning, the device sampler, the schema's line
+    (and one check's sampling case); architecture.md's "where a change goes" says how many."""
+    named = files_naming("min_p")
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    said = int(re.search(r"`min_p` is\s+named in (\d+) code and template files", doc).group(1))
+    assert len(named) == said, named
+    assert "backend/request_schema.py" in named and not any(p.startswith(("backend/serve", "model_repository"))
+                                                            or "triton" in p for p in named if "plugins" not in p), named
+
