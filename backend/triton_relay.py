@@ -27,7 +27,7 @@ from backend import request_schema, triton_glue, triton_io
 
 log = logging.getLogger("specdec.relay")
 
-GENERATOR = "generator"
+GENERATOR = request_schema.GENERATOR
 # every input of `specdec` but `stream` (the relay always streams from the generator)
 FORWARDED = tuple(f.name for f in request_schema.inputs_of(request_schema.SPECDEC) if f.name != "stream")
 

@@ -4,6 +4,7 @@ or a document disagrees with it, or when a sampling parameter has no line in it.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -197,3 +198,36 @@ def test_a_sampling_parameter_is_named_where_architecture_md_counts_it():
     assert "backend/request_schema.py" in named and not any(p.startswith(("backend/serve", "model_repository"))
                                                             or "triton" in p for p in named if "plugins" not in p), named
 
+
+
+def _module_constant(path: Path, name: str) -> ast.expr:
+    """The expression a module-level `name = ...` assigns (read, not imported: the Dynamo worker
+    imports Dynamo's runtime at import time)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return node.value
+    raise AssertionError(f"{path} assigns no {name}")
+
+
+def test_architecture_md_flow_draws_each_door_and_each_calls_the_schemas_generator(configs):
+    """The flow's doors are the modules that exist, each sends to the model the schema names
+    `generator` (the relay and the OpenAI front by value, the Dynamo worker by the schema's
+    name, the ensemble by its step), and no door is drawn that this test does not know."""
+    from backend.serve import openai_api
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    flow = doc[doc.index("## Flow"):doc.index("## Modules")]
+    drawn = [line.split("►", 1)[1].split("(")[0].strip() for line in flow.splitlines() if "►" in line]
+    doors = {"specdec": ("backend.triton_relay", "backend/triton_relay.py"),
+             "serve/openai_api": ("serve/openai_api", "backend/serve/openai_api.py"),
+             "serve/dynamo/worker": ("serve/dynamo/worker", "backend/serve/dynamo/worker.py"),
+             "ensemble: preprocessing": ("ensemble: preprocessing", "model_repository/preprocessing/1/model.py")}
+    assert drawn == list(doors), drawn
+    for said, path in doors.values():
+        assert said in flow and (ROOT / path).is_file(), path
+    assert triton_relay.GENERATOR == openai_api.TRITON_MODEL == schema.GENERATOR
+    worker = ROOT / "backend/serve/dynamo/worker.py"
+    assert ast.dump(_module_constant(worker, "MODEL")) == ast.dump(ast.Name("GENERATOR", ast.Load()))
+    assert "from backend.request_schema import GENERATOR" in worker.read_text()
+    steps = re.findall(r'model_name: "(\w+)"', configs["ensemble"])
+    assert steps == ["preprocessing", schema.GENERATOR, "postprocessing"], steps
