@@ -336,6 +336,20 @@ class NativeModel:
         self.struct.wide = wide_mask(wide)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros the OS hands out page by page as they are first written, with nothing reserved up
+    front (MAP_NORESERVE): np.zeros asks Linux to reserve every slot's columns at once, which its
+    overcommit heuristic refuses past the machine's memory (an 8B at 8,192 positions: 65 GB for 64
+    slots, on a 24 GB machine: MemoryError at load), while a server only writes the pages of its
+    sequences' columns."""
+    import mmap
+
+    count = int(np.prod(shape, dtype=np.int64))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux's value
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=flags)
+    return np.frombuffer(buf, dtype, count).reshape(shape)        # the array holds the mapping
+
+
 class NativeRuntime(SlotSequences):
     ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
@@ -353,8 +367,8 @@ class NativeRuntime(SlotSequences):
         self.governor = CoreGovernor(self.threads)     # fewer threads while other processes hold cores
         self.capacity = options.max_sequences or 64
         self.columns = max_seq_len + SCRATCH_COLUMNS
-        self.cache = np.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
-                               config.head_dim), np.float16)
+        self.cache = _lazy_zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
+                                  config.head_dim), np.float16)
         self._cache = _Cache(self.cache.ctypes.data, self.capacity + 1, self.columns)
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._logits, self._hidden, self._packed, self._packed_logits = Grow(), Grow(), Grow(), Grow()
