@@ -224,12 +224,12 @@ def _check_dynamo_args(args) -> bool:
 def _start_openai(args, engine_dir: Path, triton_http_url: str, supervisor):
     """The OpenAI-compatible front door on --openai-port (None with --no-openai, or for a draft
     node's repository, which has no `specdec` model)."""
-    from backend.serve.openai_api import OpenAIServer, front_for
+    from backend.serve.openai_api import Front, OpenAIServer
 
     if args.no_openai or not (engine_dir / "manifest.json").exists():
         return None
     try:
-        return OpenAIServer(front_for(engine_dir, triton_http_url), args.openai_port).start()
+        return OpenAIServer(Front(triton_http_url), args.openai_port).start()
     except Exception:
         supervisor.stop()
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from backend import request_schema
 from backend.bench.prompt_sets import default_prompts
 from backend.devices import DEVICES, FORMATS, OPTIONS
 
@@ -85,14 +86,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="specdec", help="specdec or ensemble")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | suffix | draft-model | eagle")
-    p.add_argument("--num-draft-tokens", type=int, default=None)
+    for f in request_schema.FIELDS:                  # the request schema's fields as they are
+        if f.flag:
+            p.add_argument(f.flag, type=f.py_type, default=None, help=f"{f.meaning} (default: {f.default_text})")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is (no chat template): plain text to continue; needed for a base model, which has no chat template")
 

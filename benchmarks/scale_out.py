@@ -190,12 +190,11 @@ def agent(a) -> dict:
 def front(a) -> dict:
     import front_cost
 
-    from backend.build.pipeline import ENGINE_SUBDIR
-    from backend.serve.openai_api import OpenAIServer, front_for
+    from backend.serve.openai_api import Front, OpenAIServer
 
     repo = Path(a.model_repository)
     dyn, nodes = deploy(repo, 1, "kv", None)
-    ours = OpenAIServer(front_for(repo / ENGINE_SUBDIR, nodes[0].server.http_url), free_port()).start()
+    ours = OpenAIServer(Front(nodes[0].server.http_url), free_port()).start()
     try:
         prompts = [json.loads(line)["messages"] for line in (HERE / "prompts" / "public.jsonl").read_text().splitlines()
                    if line.strip()]

@@ -84,9 +84,8 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(built_repo, tmp_path_factory):
-    from backend.build.pipeline import ENGINE_SUBDIR
     from backend.serve.launcher import free_port
-    from backend.serve.openai_api import OpenAIServer, front_for
+    from backend.serve.openai_api import Front, OpenAIServer
 
     work = tmp_path_factory.mktemp("dynamo")
     env = dict(os.environ, DYN_FILE_KV=str(work / "discovery"))
@@ -96,7 +95,7 @@ def deployment(built_repo, tmp_path_factory):
     print(f"2 nodes and the frontend up in {time.time() - t0:.1f}s")
     nodes = [NodeInfo(m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6))
              for m in (NODE_LINE.search(x) for x in cli.lines) if m]
-    door = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, nodes[0].http_url), free_port()).start()
+    door = OpenAIServer(Front(nodes[0].http_url), free_port()).start()
     yield Deployment(cli, cli.find(r"OpenAI   (http://\S+)/v1").group(1), nodes, str(work / "discovery"),
                      f"http://{door.host}:{door.port}")
     door.stop()

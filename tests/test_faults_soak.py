@@ -54,11 +54,10 @@ def soak_dynamo(soak_server, tmp_path_factory):
 def soak_front(soak_server, built_repo):
     """The OpenAI front door in front of the soak's server (issue 42): half the specdec soak's
     requests go through it."""
-    from backend.build.pipeline import ENGINE_SUBDIR
     from backend.serve.launcher import free_port
-    from backend.serve.openai_api import OpenAIServer, front_for
+    from backend.serve.openai_api import Front, OpenAIServer
 
-    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, soak_server.http_url), free_port()).start()
+    oa = OpenAIServer(Front(soak_server.http_url), free_port()).start()
     yield oa
     oa.stop()
 

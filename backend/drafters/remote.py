@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from backend import request_schema
 from backend.config import SamplingParams
 from backend.drafters.base import Draft, DrafterTraits
 from backend.sequence import SequenceState
@@ -46,7 +47,8 @@ class _Sync:
 
 
 def params_json(p: SamplingParams) -> dict:
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}
+    """The sampling parameters that shape the draft's distribution (the request schema's `draft` fields)."""
+    return {f.param: getattr(p, f.param) for f in request_schema.DRAFT}
 
 
 class RemoteDrafter:

@@ -1,21 +1,22 @@
-"""One request to the `specdec` Triton model over Triton's HTTP `generate_stream`, as an async iterator of text pieces.
+"""One request to a Triton model over Triton's HTTP `generate_stream`, as an async iterator of text pieces
+(the front's, to `generator`) or of the model's responses (the Dynamo worker's).
 
 The front door asks Triton for a streamed answer always (a non-streaming OpenAI request joins the
 pieces, which is what the model's own non-streaming answer is), so every request can be cancelled
 the same way: leaving the iterator before the answer is complete closes its connection, Triton
-cancels the request, and the `specdec` relay stops the generator's sequence at its next step.
+cancels the request, and the generator drops the sequence at its next step.
 The request is the fields as JSON (Triton's generate extension makes each key that names an input
 of the model that tensor); the answer is server-sent events, one `data: {...}` line per response,
 the outputs as top-level keys. Triton writes a BYTES output into the JSON string as its raw bytes,
 so a piece that ended inside a character would arrive as invalid UTF-8: the line is decoded with
 `surrogateescape` and the text's bytes go through an incremental decoder, which carries an
 incomplete character over to the next piece, so no piece ever ends inside a character.
-The stream's end is the response whose `finish_reason` is set (the relay's last text response);
+The stream's end is the response whose `finish_reason` is set (the model's last text response);
 errors arrive as `data: {"error": ...}` events, their code lost, so their message says what they
 are (backend/triton_io.error_code); the first response's code sets the HTTP status (the
 generator's UNAVAILABLE is a 503 with that event). An error is the model's whole answer, like the
 last text response: neither is cut. The rest of a finished answer's body (the chunked stream's
-end, sent when the relay's final flag arrives) is read in the background, so its connection goes
+end, sent when the model's final flag arrives) is read in the background, so its connection goes
 back to the pool and no cancel reaches a request already complete (a cancel just after a refusal
 left a relay thread alive until finalize, and Triton could not stop in time: perf-notes §27).
 All of it runs in the front's event loop: no threads of its own (docs/perf-notes.md §27b).
@@ -36,7 +37,7 @@ from backend import triton_io
 log = logging.getLogger("specdec.openai")
 DATA = b"data: "
 EVENT_LIMIT = 2**20          # aiohttp reads a line of up to twice its read buffer: 2 MiB an event
-DRAIN_TIMEOUT_S = 30.0       # a finished answer's end of body follows with the relay's final flag
+DRAIN_TIMEOUT_S = 30.0       # a finished answer's end of body follows with the model's final flag
 CLOSE_WAIT_S = 5.0           # at the front's stop, for those ends still on their way
 
 

@@ -2,11 +2,12 @@
 Dynamo's response chunks.
 
 Dynamo's frontend tokenizes (with the node's own tokenizer and chat template: card.py), and sends
-the engine `token_ids`, `sampling_options` (temperature, top_p, top_k, min_p, seed, ...),
+the engine `token_ids`, `sampling_options` (temperature, top_p, top_k, seed, ...),
 `stop_conditions` (max_tokens, ignore_eos; stop strings it checks itself) and `annotations`, the
 strings a client sends in `nvext.annotations`: ours are `drafter:<kind>` and
 `num_draft_tokens:<k>` (a request with unknown top-level fields is refused by the frontend, so
-that is where extensions travel). What the generator cannot honour (penalties, n > 1, beam
+that is where extensions travel). Which of them carries which of the generator's inputs is the
+request schema's `dynamo` column (backend/request_schema.py). What the generator cannot honour (penalties, n > 1, beam
 search, log probabilities, guided decoding, extra stop token ids) is refused with the field
 named, never ignored. A request the frontend migrated arrives with the tokens produced so far
 appended to its prompt and max_tokens lowered by as many: nothing to do here, since the noise is
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend import triton_io
+from backend import request_schema, triton_io
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0      # what our own OpenAI door assumes when a client sends none
 # sampling option -> the values that mean "not used" (anything else is refused, named)
@@ -26,7 +27,12 @@ NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0), 
            "guided_decoding": (None,), "include_stop_str_in_output": (None, False)}
 OUTPUT_NEUTRAL = {"logprobs": (None, 0), "prompt_logprobs": (None, 0)}
 STOP_NEUTRAL = {"min_tokens": (None, 0), "stop_token_ids": (None, [])}
-ANNOTATIONS = {"drafter": str, "num_draft_tokens": int}
+# where a Dynamo request carries each of the generator's inputs (the request schema's `dynamo` column)
+_CARRIED = tuple(f for f in request_schema.FIELDS if f.dynamo)
+ANNOTATIONS = {f.dynamo.split(".", 1)[1]: f for f in _CARRIED if f.dynamo.startswith("annotations.")}
+_OPTIONS = tuple(f for f in _CARRIED if f.dynamo.startswith(("sampling_options.", "stop_conditions.")))
+_VALUE = {"top_k": lambda v: max(0, int(v)),                      # vLLM's -1: off
+          "end_id": lambda ignore_eos: -1 if ignore_eos else None}  # ignore_eos: never stop at EOS
 FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
@@ -47,11 +53,23 @@ def annotations(values) -> dict:
         key, sep, value = str(item).partition(":")
         if not sep or key not in ANNOTATIONS:
             continue
+        f = ANNOTATIONS[key]
         try:
-            out[key] = ANNOTATIONS[key](value.strip())
+            out[f.name] = f.py_type(value.strip())
         except ValueError:
-            raise Refused(f"nvext.annotations: {key} expects {ANNOTATIONS[key].__name__}, got {value!r}") from None
+            raise Refused(f"nvext.annotations: {key} expects {f.py_type.__name__}, got {value!r}") from None
     return out
+
+
+def _option(request: dict, f: request_schema.Field):
+    """The value a Dynamo request gives input `f` (None: absent), typed by f's datatype."""
+    group, key = f.dynamo.split(".", 1)
+    v = (request.get(group) or {}).get(key)
+    if v is None or (f.is_list and not v):
+        return None
+    if f.name in _VALUE:
+        return _VALUE[f.name](v)
+    return [str(x) for x in v] if f.is_list else f.py_type(v)
 
 
 def generator_fields(request: dict) -> dict:
@@ -64,22 +82,8 @@ def generator_fields(request: dict) -> dict:
     _refuse_unless_neutral(sampling, NEUTRAL, "")
     _refuse_unless_neutral(request.get("output_options") or {}, OUTPUT_NEUTRAL, "")
     _refuse_unless_neutral(stops, STOP_NEUTRAL, "")
-    fields = {triton_io.INPUT_IDS: [int(t) for t in ids], "stream": True,
-              "temperature": OPENAI_DEFAULT_TEMPERATURE if sampling.get("temperature") is None
-              else float(sampling["temperature"])}
-    for name in ("top_p", "min_p"):
-        if sampling.get(name) is not None:
-            fields[name] = float(sampling[name])
-    if sampling.get("top_k") is not None:
-        fields["top_k"] = max(0, int(sampling["top_k"]))            # vLLM's -1: off
-    if sampling.get("seed") is not None:
-        fields["random_seed"] = int(sampling["seed"])
-    if stops.get("max_tokens") is not None:
-        fields["max_tokens"] = int(stops["max_tokens"])
-    if stops.get("stop"):
-        fields["stop_words"] = [str(s) for s in stops["stop"]]
-    if stops.get("ignore_eos"):
-        fields["end_id"] = -1
+    fields = {triton_io.INPUT_IDS: [int(t) for t in ids], "stream": True, "temperature": OPENAI_DEFAULT_TEMPERATURE}
+    fields.update((f.name, v) for f in _OPTIONS if (v := _option(request, f)) is not None)
     fields.update(annotations(request.get("annotations")))
     return fields
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from backend import triton_io
 from backend.manifest import EngineManifest
 from backend.prefix_cache import BLOCK_TOKENS
+from backend.request_schema import GENERATOR
 from backend.serve.dynamo import install, protocol
 from backend.serve.dynamo.card import write_card
 from backend.serve.openai_triton import TritonFailure, TritonHTTP
@@ -48,7 +49,7 @@ from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource  # noqa
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, WorkerUnavailable  # noqa: E402
 
 log = logging.getLogger("specdec.dynamo")
-MODEL = "generator"
+MODEL = GENERATOR
 SNAPSHOT_S = 0.5            # how often the router's load signal is refreshed
 DEFAULT_BATCH = 32          # the generator's max_active_batch when its config does not say
 
