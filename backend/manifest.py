@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from backend.program import (ACTIVATIONS, Attention, Features, Gate, HeadNorm, Linear, Norm, Op, Residual, Rope,
+                             check)
 from backend.errors import ManifestMismatch, ManifestMissing
 from backend.names import Name
 
@@ -41,6 +43,13 @@ class Device(Name):
 Device.CPU = Device("cpu")    # our C decode step over GGUF blocks (gguf), ONNX Runtime graphs (fp32, q4)
 Device.CUDA = Device("cuda")  # torch + Triton kernels (runtime/torch_rt.py); on the CPU where built without a GPU
 Device.TENSORRT = Device("tensorrt")  # TensorRT engines of the engine graph (runtime/engine_rt.py, trt_exec.py)
+
+
+# Every norm weight a layer program may name (ModelConfig.program), in the order an engine file
+# lists a layer's tensors (devices/native/export.py writes them so; build/checkpoint.py converts
+# Gemma's (1 + w) for these): a norm of a new name is a name here, its place in the program and its
+# checkpoint names
+NORMS = ("attn_norm", "hidden_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class ModelConfig:
     # how a GGUF stores Llama-3.1's scaling); (): none. Global layers only, as rope_scaling
     rope_freq_factors: tuple[float, ...] = ()
 
-    ACTIVATIONS = ("silu", "gelu_tanh")
+    ACTIVATIONS = ACTIVATIONS
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
@@ -123,16 +132,31 @@ class ModelConfig:
         declares which of these it implements, devices/base.py EngineBackend.model_features)."""
         return [name for name, used in FEATURES.items() if used(self)]
 
-    def plan(self, layer: int) -> "LayerPlan":
-        """Layer `layer` as every engine runs it (the one reading of this description per layer:
-        the ONNX graph, the torch model and the native kernel's layer records interpret it)."""
-        return LayerPlan(activation=self.activation, qkv_bias=self.attention_bias, qk_norm=self.qk_norm,
-                         post_norms=self.post_norms, window=self.window(layer),
-                         rope="local" if self.local_rope(layer) else "global", q_scale=self.scale,
-                         attn_softcap=self.attn_logit_softcap)
+    def program(self, layer: int, tap: bool = False, eagle3: bool = False) -> tuple[Op, ...]:
+        """Layer `layer` as every engine runs it: its steps in order (backend/program.py). tap: the
+        stream entering it is one of the engine's feature outputs (EngineFile.feature_layers);
+        eagle3: an EAGLE-3 head's layer, whose attention reads [norm(embedding), norm(feature)].
+        The one reading of this description per layer: no engine reads the fields a layer uses."""
+        h, nh, nkv, d, inter = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        post = lambda name: name if self.post_norms else None
+        ops = [Features()] if tap else []
+        ops += [Norm("attn_norm", "hidden_norm" if eagle3 else None),
+                Linear("qkv", ("q", "k", "v"), (nh + 2 * nkv) * d, self.attention_bias)]
+        if self.qk_norm:
+            ops.append(HeadNorm())
+        ops += [Rope("local" if self.local_rope(layer) else "global"),
+                Attention(self.window(layer), self.attn_logit_softcap, self.scale),
+                Linear("o", ("o",), h), Residual(post("post_attn_norm")),
+                Norm("mlp_norm"), Linear("gate_up", ("gate", "up"), 2 * inter),
+                Gate(self.activation), Linear("down", ("down",), h),
+                Residual(post("post_mlp_norm"))]
+        return check(tuple(ops), NORMS)
 
-    def plans(self, num_layers: int | None = None) -> tuple["LayerPlan", ...]:
-        return tuple(self.plan(i) for i in range(self.num_layers if num_layers is None else num_layers))
+    def programs(self, num_layers: int | None = None, taps: tuple[int, ...] = (),
+                 eagle3: bool = False) -> tuple[tuple[Op, ...], ...]:
+        """The first `num_layers` layers' programs (all: None); taps: the feature layers."""
+        n = self.num_layers if num_layers is None else num_layers
+        return tuple(self.program(i, i in taps, eagle3) for i in range(n))
 
     def llama_layer(self, **changes) -> "ModelConfig":
         """This model's numbers on the plain Llama layer (every feature above cleared; rope keeps
@@ -171,26 +195,6 @@ class ModelConfig:
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["rope_freq_factors"] = tuple(d.get("rope_freq_factors", ()))
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """One decoder layer, its steps in order, as ModelConfig.plan reads them for every engine:
-    input norm -> q/k/v (+ bias: qkv_bias) -> q and k RMS-normed per head (qk_norm; q's norm
-    carries q_scale) -> rotary from the global or the local table (rope) -> attention (q times
-    q_scale, keys within `window` (0: all), scores soft-capped by attn_softcap (0: none)) -> o
-    -> its output normed (post_norms) -> residual -> MLP norm -> gate|up -> activation(gate) * up
-    -> down -> its output normed (post_norms) -> residual. A new step or placement is a field here
-    that each engine interprets (architecture.md, "where a change goes")."""
-
-    activation: str = "silu"
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    post_norms: bool = False
-    window: int = 0
-    rope: str = "global"                  # "global" | "local" (the sliding layers' own base)
-    q_scale: float = 1.0
-    attn_softcap: float = 0.0
 
 
 # What a model may use beyond the Llama layer, declared once: name -> whether a description uses it

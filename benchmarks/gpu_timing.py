@@ -67,7 +67,7 @@ def weight_bytes(rt) -> int:
         else:                                # weight-only FP8 not yet dequantized: its bf16 size
             total += lin.wq[0].numel() * torch.finfo(m.dtype).bits // 8
     for layer in m.layers:
-        total += sum(n.nbytes for n in (layer.attn_norm, layer.mlp_norm) if n is not None)
+        total += sum(n.nbytes for n in layer.norms.values() if n is not None)
     return int(total)
 
 

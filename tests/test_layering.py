@@ -231,21 +231,24 @@ def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
         devices.backend_for(Device("npu"), "fp32")
 
 
-def test_the_engines_read_a_layer_through_its_plan():
-    """One reading of the model description per layer (manifest.ModelConfig.plan): the ONNX graph,
-    the torch model, the native kernel's layer records and the runtimes that size attention read a
-    layer's activation, bias, q/k norms, post norms, window, rope table, q scale and score soft-cap
-    from its LayerPlan, never from the description's fields; the feature list is declared once
-    (manifest.FEATURES) and every backend implements it."""
+def test_the_engines_read_a_layer_through_its_program():
+    """One reading of the model description per layer (manifest.ModelConfig.program, the ops of
+    backend/program.py in order): the ONNX graph, the torch model, the native kernel's layer records
+    and the runtimes that size attention read a layer's activation, bias, q/k norms, post norms,
+    window, rope table, q scale and score soft-cap from its program's ops, never from the
+    description's fields; the feature list is declared once (manifest.FEATURES) and every backend
+    implements it."""
     import re
 
     from backend.devices import BACKENDS
-    from backend.manifest import FEATURES, LayerPlan, ModelConfig
+    from backend.manifest import FEATURES, ModelConfig
+    from backend.program import Attention, Features, Gate, HeadNorm, Linear, Norm, Residual, Rope
 
     raw = re.compile(r"\b(cfg|config|c)\.(qk_norm|post_norms|window\(|local_rope\(|attn_logit_softcap|activation|"
                      r"attention_bias|scale)\b")
     readers = ["backend/build/graph.py", "backend/build/engine_graph.py", "backend/runtime/torch_model.py",
-               "backend/runtime/torch_rt.py", "backend/runtime/native.py", "backend/runtime/ort.py"]
+               "backend/runtime/torch_rt.py", "backend/runtime/native.py", "backend/runtime/ort.py",
+               "backend/train/eagle_model.py"]
     hits = {f: [ln for ln in (ROOT / f).read_text().splitlines() if raw.search(ln) and "def " not in ln]
             for f in readers}
     assert {f: h for f, h in hits.items() if h} == {}
@@ -254,7 +257,13 @@ def test_the_engines_read_a_layer_through_its_plan():
                       max_position_embeddings=256, tie_word_embeddings=True, activation="gelu_tanh", qk_norm=True,
                       post_norms=True, sliding_window=8, layer_types=("sliding", "full", "sliding"),
                       rope_local_theta=1e4, attn_scale=0.5, attn_logit_softcap=30.0)
-    assert cfg.plan(0) == LayerPlan("gelu_tanh", False, True, True, 8, "local", 0.5, 30.0)
-    assert cfg.plan(1) == LayerPlan("gelu_tanh", False, True, True, 0, "global", 0.5, 30.0)
-    assert len(cfg.plans()) == 3 and cfg.llama_layer().plan(0) == LayerPlan(q_scale=0.25)
+    gemma = lambda window, rope: (Norm("attn_norm"), Linear("qkv", ("q", "k", "v"), 64), HeadNorm(), Rope(rope),
+                                  Attention(window, 30.0, 0.5), Linear("o", ("o",), 32), Residual("post_attn_norm"),
+                                  Norm("mlp_norm"), Linear("gate_up", ("gate", "up"), 128), Gate("gelu_tanh"),
+                                  Linear("down", ("down",), 32), Residual("post_mlp_norm"))
+    assert cfg.program(0) == gemma(8, "local") and cfg.program(1) == gemma(0, "global")
+    assert cfg.program(2, tap=True) == (Features(),) + gemma(8, "local")
+    head = cfg.llama_layer().program(0, eagle3=True)
+    assert head[0] == Norm("attn_norm", "hidden_norm") and Attention(0, 0.0, 0.25) in head and Gate("silu") in head
+    assert len(cfg.programs()) == 3 and all(op.norm is None for op in head if isinstance(op, Residual))
     assert set(cfg.features()) <= set(FEATURES) and all(b.model_features == frozenset(FEATURES) for b in BACKENDS)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.errors import UserError
-from backend.manifest import ModelConfig
+from backend.manifest import NORMS, ModelConfig
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "smollm", "gemma2", "gemma3", "phi3"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -34,7 +34,6 @@ _PLUS_ONE_NORMS = {"gemma2", "gemma3"}
 _GEMMA = {"gemma2", "gemma3"}
 # rope kinds rope_tables computes (engine_format.py); another is refused when the checkpoint is read
 _ROPE_KINDS = {"linear", "llama3", "longrope"}
-_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
 
 class CheckpointError(UserError, ValueError):
@@ -165,7 +164,7 @@ def _load_hf(d: Path) -> Checkpoint:
     _split_fused(tensors, config)
     if arch in _PLUS_ONE_NORMS:
         for k, t in list(tensors.items()):
-            if k == "norm" or k.rsplit(".", 1)[-1] in _NORMS:
+            if k == "norm" or k.rsplit(".", 1)[-1] in NORMS:      # every norm a layer program names
                 tensors[k] = SourceTensor(k, "F32", t.shape, t.float32() + np.float32(1.0))
     if "lm_head" not in tensors and not config.tie_word_embeddings:
         raise CheckpointError(f"{d}: no lm_head.weight and tie_word_embeddings is false")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from onnx import TensorProto, helper
 
+from backend import program
 from backend.manifest import ModelConfig
 
 DOMAIN = "specdec"
@@ -44,12 +45,11 @@ class PluginAttention:
                    helper.make_tensor_value_info("n_prior", i32, ["B"]),
                    helper.make_tensor_value_info("paths", i32, ["B", "T", "P"])]
 
-    def layer(self, i: int, q: str, k: str, v: str, outputs: list, plan) -> str:
-        """Layer i's attention: q [B,T,Hq,D], k and v [B,T,Hkv,D] -> [B,T,Hq*D]. q carries the
-        model's scale already (graph.py folds plan.q_scale into Wq, or into the q norm's weight
-        where q is normed), so the node's `scale` is 1; the layer's plan (manifest.LayerPlan)
-        gives its sliding window (0: none), counted along each node's path (plugins/reference.py),
-        and the scores' soft-cap (0: none)."""
+    def layer(self, i: int, q: str, k: str, v: str, outputs: list, op: program.Attention) -> str:
+        """Layer i's attention op: q [B,T,Hq,D], k and v [B,T,Hkv,D] -> [B,T,Hq*D]. q carries the
+        op's scale already (graph.py folds it into Wq, or into the q norm's weight where q is
+        normed), so the node's `scale` is 1; the op gives the sliding window (0: none), counted
+        along each node's path (plugins/reference.py), and the scores' soft-cap (0: none)."""
         g, cfg = self.g, self.cfg
         nkv, d = cfg.num_kv_heads, cfg.head_dim
         kc, vc = f"k_cache_{i}", f"v_cache_{i}"
@@ -60,7 +60,7 @@ class PluginAttention:
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", "T", nkv, d]))
         o = g.op("tree_attention", [q, k, v, kc, vc, "slots", "ctx_len", "n_prior", "paths"],
                  domain=DOMAIN, hint=f"l{i}.attention", scale=1.0, num_heads=cfg.num_heads,
-                 num_kv_heads=nkv, head_dim=d, window=int(plan.window), softcap=float(plan.attn_softcap),
+                 num_kv_heads=nkv, head_dim=d, window=int(op.window), softcap=float(op.softcap),
                  **PLUGIN_ATTRS)
         return g.op("Reshape", [o, g.i64(0, 0, cfg.num_heads * d)])
 

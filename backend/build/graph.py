@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from backend import program
 from backend.build import quant
 from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
 from backend.engine_format import rope_tables
@@ -190,14 +191,11 @@ def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: 
     dec = _Decoder(ckpt, spec, act_scales, fp8_recipe)      # inputs and outputs declared
     x, embeds = dec.embed()
     tables = dec.tables()
-    features = {}
     for i in range(spec.num_layers):
-        if i in spec.feature_layers:
-            features[i] = x
         x = dec.layer(i, x, embeds, tables)
         if progress is not None:
             progress(1)
-    dec.head(x, [features[j] for j in spec.feature_layers])
+    dec.head(x, [dec.features[j] for j in spec.feature_layers])
     return dec.model()
 
 
@@ -220,11 +218,13 @@ class _Decoder:
         self.ckpt, self.spec = ckpt, spec
         self.g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
         self.lin = _Linear(self.g, spec.weights, act_scales, fp8_recipe)
-        self.plans = cfg.plans(spec.num_layers)          # each layer's steps (manifest.LayerPlan)
-        self.windows = [p.window for p in self.plans]
         # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
         # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (build/heads/eagle.py)
         self.eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
+        # each layer's program (backend/program.py); the stream entering each feature layer
+        self.programs = cfg.programs(spec.num_layers, spec.feature_layers, self.eagle3)
+        self.windows = [program.attention(ops).window for ops in self.programs]
+        self.features: dict[int, str] = {}
         self.inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
             helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
@@ -285,7 +285,7 @@ class _Decoder:
         cos = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_cos", cos_t), "position_ids"]), g.i64(2)])
         sin = g.op("Unsqueeze", [g.op("Gather", [g.init("rope_sin", sin_t), "position_ids"]), g.i64(2)])
         local_rope = None
-        if any(p.rope == "local" for p in self.plans):       # the sliding layers' own base
+        if any(program.Rope("local") in ops for ops in self.programs):       # the sliding layers' own base
             lc, ls = rope_tables(cfg, spec.max_positions, local=True)
             local_rope = tuple(g.op("Unsqueeze", [g.op("Gather", [g.init(nm, tab), "position_ids"]), g.i64(2)])
                                for nm, tab in (("rope_local_cos", lc), ("rope_local_sin", ls)))
@@ -298,62 +298,104 @@ class _Decoder:
         return _Tables((cos, sin), local_rope, bias, grouped("attn_bias_local") if any(self.windows) else None)
 
     def layer(self, i: int, x: str, embeds: str | None, tables: _Tables) -> str:
-        """Layer i: its input norm, q/k/v (q/k normed), rotary, attention, o and its residual,
-        the MLP and its residual."""
-        if self.eagle3:
-            hn = self.g.op("Concat", [self.rmsnorm(embeds, self.t(i, "attn_norm")),
-                                      self.rmsnorm(x, self.t(i, "hidden_norm"))], axis=-1)
-        else:
-            hn = self.rmsnorm(x, self.t(i, "attn_norm") if self.has(i, "attn_norm") or not self.spec.eagle else None)
-        qk, v = self.qkv(i, hn)
-        q, k = self.rotary(i, qk, tables)
-        if self.spec.plugins:                         # q [B,T,Hq,D], k and v [B,T,Hkv,D]
-            o = self.attention.layer(i, q, k, v, self.outputs, self.plans[i])   # q scaled and rotated above
-        else:
-            o = self.standard_attention(i, q, k, v, tables)
-        y = self.lin(o, f"l{i}.o", _weight(self.t(i, "o"), self.spec.weights))
-        return self.mlp(i, self.residual(i, x, y, "post_attn_norm"))
+        """Layer i's program (backend/program.py), op by op, on the residual stream x -> the next
+        x. h, the value worked on, is a tensor's name, or q/k/v heads: (qk, v) or (q, k, v)."""
+        h, pending, width = x, None, 0
+        for op in self.programs[i]:
+            if isinstance(op, program.Features):
+                self.features[i] = x
+            elif isinstance(op, program.Norm):
+                h = self.norm(i, op, h, embeds)
+            elif isinstance(op, program.Linear):
+                h, width = self.linear(i, op, h), op.out
+            elif isinstance(op, program.HeadNorm):
+                h = self.head_norm(i, op, self.heads(h))
+            elif isinstance(op, program.Rope):
+                h = self.rotary(op, self.heads(h), tables)
+            elif isinstance(op, program.Attention):
+                h = self.attend(i, op, self.heads(h), tables)
+            elif isinstance(op, program.Gate):
+                h = self.gate(op, h, width // 2)
+            else:                                         # Residual (x + norm(h): Gemma's post norms)
+                t = self.rmsnorm(h, self.t(i, op.norm)) if op.norm else h
+                if op.parallel:
+                    pending = t
+                else:
+                    x = self.g.op("Add", [x if pending is None else self.g.op("Add", [x, pending]), t])
+                    pending = None
+                h = x
+        return x
 
-    def qkv(self, i: int, hn: str) -> tuple[str, str]:
-        """Layer i's fused q/k/v projection -> q and k [B, T, Hq + Hkv, D] (q scaled, both normed
-        where the model norms them), v [B, T, Hkv, D]."""
-        g, cfg, spec, plan, t = self.g, self.cfg, self.spec, self.plans[i], lambda n: self.t(i, n)
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # q's scale is folded into Wq (and bq), or, where q is normed after its projection, into the
-        # q norm's weight
-        wscale = 1.0 if plan.qk_norm else plan.q_scale
-        # FP8 quantizes the runtime's unscaled weights and folds q's scale into their scales
-        fold = spec.weights is WeightFormat.FP8 and wscale != 1.0
-        wqkv = _cat([_weight(t("q"), spec.weights, 1.0 if fold else wscale), _weight(t("k"), spec.weights),
-                     _weight(t("v"), spec.weights)])
-        rows = (np.concatenate([np.full(nh * d, wscale, np.float32), np.ones(2 * nkv * d, np.float32)])
-                if fold else None)
-        bqkv = None
-        if plan.qkv_bias and self.has(i, "q_bias"):
-            bqkv = np.concatenate([t("q_bias").float32() * np.float32(wscale),
-                                   t("k_bias").float32(), t("v_bias").float32()])
-        qkv = g.op("Reshape", [self.lin(hn, f"l{i}.qkv", wqkv, bqkv, rows), g.i64(0, 0, nh + 2 * nkv, d)])
-        qk, v = g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2)
-        if plan.qk_norm:                 # per-head norms of q and k (q's carries its scale)
-            qn, kn = t("q_norm"), t("k_norm")
-            qh, kh = g.op("Split", [qk, g.i64(nh, nkv)], n_out=2, axis=2)
-            qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(plan.q_scale))
-            qk = g.op("Concat", [self.rmsnorm(qh, qw), self.rmsnorm(kh, kn)], axis=2)
-        return qk, v
+    def norm(self, i: int, op: program.Norm, h: str, embeds: str | None) -> str:
+        """RMSNorm of h by the layer's weight (absent: h itself, an EAGLE-1/2 head's input); an
+        EAGLE-3 head's: [norm(embedding), norm(h) by its feature norm]."""
+        weight = lambda name: self.t(i, name) if self.has(i, name) else None
+        if op.feature:
+            return self.g.op("Concat", [self.rmsnorm(embeds, weight(op.weight)), self.rmsnorm(h, weight(op.feature))],
+                             axis=-1)
+        return self.rmsnorm(h, weight(op.weight))
 
-    def rotary(self, i: int, qk: str, tables: _Tables) -> tuple[str, str]:
+    def linear(self, i: int, op: program.Linear, h: str) -> str:
+        """h W^T (+ b), W the op's parts fused. Attention's q scale is folded into q's rows (and
+        bias), or, where q is normed after its projection, into the q norm's weight (head_norm);
+        FP8 quantizes the unscaled weights and folds the scale into their scales (rows)."""
+        spec, t, ops = self.spec, lambda n: self.t(i, n), self.programs[i]
+        q_scale = 1.0 if any(isinstance(o, program.HeadNorm) for o in ops) else program.attention(ops).scale
+        scale = {p: q_scale if p == "q" else 1.0 for p in op.parts}
+        fold = spec.weights is WeightFormat.FP8 and any(v != 1.0 for v in scale.values())
+        parts = [_weight(t(p), spec.weights, 1.0 if fold else scale[p]) for p in op.parts]
+        w = parts[0] if len(parts) == 1 else _cat(parts)
+        rows = (np.concatenate([np.full(t(p).shape[0], scale[p], np.float32) for p in op.parts]) if fold else None)
+        bias = None
+        if op.bias and self.has(i, op.bias_parts[0]):
+            bias = np.concatenate([t(b).float32() * np.float32(scale[p]) if p == "q" else t(b).float32()
+                                   for p, b in zip(op.parts, op.bias_parts)])
+        return self.lin(h, f"l{i}.{op.name}", w, bias, rows)
+
+    def heads(self, h) -> tuple:
+        """q/k/v rows [B, T, (Hq + 2 Hkv) D] as (q and k [B, T, Hq + Hkv, D], v [B, T, Hkv, D]);
+        heads already split as they are."""
+        if isinstance(h, tuple):
+            return h
+        g, cfg = self.g, self.cfg
+        nh, nkv = cfg.num_heads, cfg.num_kv_heads
+        qkv = g.op("Reshape", [h, g.i64(0, 0, nh + 2 * nkv, cfg.head_dim)])
+        return tuple(g.op("Split", [qkv, g.i64(nh + nkv, nkv)], n_out=2, axis=2))
+
+    def head_norm(self, i: int, op: program.HeadNorm, heads: tuple) -> tuple:
+        """q's and k's heads RMS-normed (q's norm carrying attention's q scale) -> (qk, v)."""
+        g, cfg = self.g, self.cfg
+        qk, v = heads
+        qn, kn = self.t(i, op.q), self.t(i, op.k)
+        qh, kh = g.op("Split", [qk, g.i64(cfg.num_heads, cfg.num_kv_heads)], n_out=2, axis=2)
+        qw = SourceTensor(qn.name, "F32", qn.shape, qn.float32() * np.float32(program.attention(self.programs[i]).scale))
+        return g.op("Concat", [self.rmsnorm(qh, qw), self.rmsnorm(kh, kn)], axis=2), v
+
+    def rotary(self, op: program.Rope, heads: tuple, tables: _Tables) -> tuple:
         """Rotary (HF rotate_half): [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin], q and k at
-        once -> q [B,T,Hq,D], k [B,T,Hkv,D]."""
+        once -> (q [B,T,Hq,D], k [B,T,Hkv,D], v)."""
         g, cfg, d = self.g, self.cfg, self.cfg.head_dim
-        c, sn = tables.local_rope if self.plans[i].rope == "local" else tables.rope
+        qk, v = heads
+        c, sn = tables.local_rope if op.table == "local" else tables.rope
         x1, x2 = g.op("Split", [qk, g.i64(d // 2, d // 2)], n_out=2, axis=3)
         r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, sn])])
         r2 = g.op("Add", [g.op("Mul", [x2, c]), g.op("Mul", [x1, sn])])
         q, k = g.op("Split", [g.op("Concat", [r1, r2], axis=3), g.i64(cfg.num_heads, cfg.num_kv_heads)],
                     n_out=2, axis=2)
-        return q, k
+        return q, k, v
 
-    def standard_attention(self, i: int, q: str, k: str, v: str, tables: _Tables) -> str:
+    def attend(self, i: int, op: program.Attention, heads: tuple, tables: _Tables) -> str:
+        """Layer i's attention of q [B,T,Hq,D] over the cache and k, v [B,T,Hkv,D] -> [B,T,Hq*D]
+        (q's scale is folded into the weights above): a plugin node, or standard ops."""
+        if len(heads) == 2:                               # no rotary: q and k apart here
+            qk, v = heads
+            heads = (*self.g.op("Split", [qk, self.g.i64(self.cfg.num_heads, self.cfg.num_kv_heads)], n_out=2,
+                                axis=2), v)
+        if self.spec.plugins:
+            return self.attention.layer(i, *heads, self.outputs, op)
+        return self.standard_attention(i, op, *heads, tables)
+
+    def standard_attention(self, i: int, op: program.Attention, q: str, k: str, v: str, tables: _Tables) -> str:
         """Layer i's attention in standard ops over past_key_i / past_value_i (batch invariant:
         the module docstring) -> [B, T, Hq*D]; declares the layer's cache inputs and outputs."""
         g, cfg = self.g, self.cfg
@@ -370,9 +412,9 @@ class _Decoder:
         g.op("Concat", [past_k, k], axis=2, outputs=[pres_k])
         g.op("Concat", [past_v, v], axis=2, outputs=[pres_v])
         scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])
-        if self.plans[i].attn_softcap:     # Gemma-2: cap tanh(scores / cap), before the mask
-            scores = _softcap(g, scores, self.plans[i].attn_softcap)
-        s = g.op("Add", [scores, tables.bias_local if self.windows[i] else tables.bias])   # [B, Hkv, G*T, S]
+        if op.softcap:                     # Gemma-2: cap tanh(scores / cap), before the mask
+            scores = _softcap(g, scores, op.softcap)
+        s = g.op("Add", [scores, tables.bias_local if op.window else tables.bias])   # [B, Hkv, G*T, S]
         e = g.op("Exp", [g.op("Sub", [s, g.op("ReduceMax", [s], axes=[-1], keepdims=1)])])
         e64 = g.op("Cast", [e], to=TensorProto.DOUBLE)
         z = g.op("ReduceSum", [e64, g.i64(-1)], keepdims=1)
@@ -381,27 +423,18 @@ class _Decoder:
         return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o, g.i64(0, nh, -1, d)])],
                                      perm=[0, 2, 1, 3]), g.i64(0, 0, nh * d)])
 
-    def residual(self, i: int, x: str, y: str, post_norm: str) -> str:
-        """x + y, or x + norm(y) where the layer norms a block's output (LayerPlan.post_norms: Gemma)."""
-        return self.g.op("Add", [x, self.rmsnorm(y, self.t(i, post_norm)) if self.plans[i].post_norms else y])
-
-    def mlp(self, i: int, x: str) -> str:
-        """x + down(act(gate(norm x)) * up(norm x)): layer i's gated MLP (SwiGLU, or GeGLU with tanh
-        GELU) with its residual."""
-        g, cfg, fmt = self.g, self.cfg, self.spec.weights
-        hn = self.rmsnorm(x, self.t(i, "mlp_norm"))
-        wgu = _cat([_weight(self.t(i, "gate"), fmt), _weight(self.t(i, "up"), fmt)])
-        gate, up = g.op("Split", [self.lin(hn, f"l{i}.gate_up", wgu),
-                                  g.i64(cfg.intermediate_size, cfg.intermediate_size)], n_out=2, axis=2)
-        if self.plans[i].activation == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    def gate(self, op: program.Gate, h: str, inter: int) -> str:
+        """act(gate) * up of gate_up rows h [B, T, 2 inter] (SwiGLU, or GeGLU with tanh GELU)."""
+        g = self.g
+        gate, up = g.op("Split", [h, g.i64(inter, inter)], n_out=2, axis=2)
+        if op.act == "gelu_tanh":    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
             cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
             inner = g.op("Mul", [g.op("Add", [gate, g.op("Mul", [cube, g.f32(0.044715)])]),
                                  g.f32(float(np.sqrt(2.0 / np.pi)))])
             a = g.op("Mul", [g.op("Mul", [gate, g.f32(0.5)]), g.op("Add", [g.op("Tanh", [inner]), g.f32(1.0)])])
         else:
             a = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-        y = self.lin(g.op("Mul", [a, up]), f"l{i}.down", _weight(self.t(i, "down"), fmt))
-        return self.residual(i, x, y, "post_mlp_norm")
+        return g.op("Mul", [a, up])
 
     def head(self, x: str, features: list[str]) -> None:
         """The final norm; `hidden` (the final-norm features, then `features`: the residual

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import importlib.util
+import re
 import threading
 import weakref
 from pathlib import Path
 
 import numpy as np
 
+from backend import program
 from backend.engine_format import KINDS, kernel_abi, read_native
 from backend.config import RuntimeOptions
 from backend.errors import UserError
@@ -45,28 +46,31 @@ class _Matrix(ctypes.Structure):
     _fields_ = [("data", _P), ("type", _I32), ("rows", _I32), ("cols", _I32), ("pad_", _I32)]
 
 
-MAX_NORMS = 8        # forward.c SD_MAX_NORMS: sd_layer.norms, named by sd_norm_names()
+MAX_OPS = 16         # forward.c SD_MAX_OPS: a layer's program (backend/program.py) as op records
+
+
+class _Op(ctypes.Structure):
+    """forward.c sd_op: one op of a layer's program (its kind's fields set, the rest zero)."""
+    _fields_ = [(n, _I32) for n in ("kind", "out", "wide", "window", "act", "parallel")] + \
+               [("scale", _F32), ("softcap", _F32)] + [(n, _P) for n in ("w", "w2", "cos", "sin", "bias")] + \
+               [("mat", _Matrix * 3)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv_bias", _P), ("hidden_norm", _P),
-                ("norms", _P * MAX_NORMS),
-                ("rope_cos", _P), ("rope_sin", _P), ("window", _I32), ("pad_", _I32),
-                ("qkv", _Matrix * 3), ("gate_up", _Matrix * 2), ("o", _Matrix), ("down", _Matrix)]
+    _fields_ = [("num_ops", _I32), ("pad_", _I32), ("ops", _Op * MAX_OPS)]
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}      # forward.c SD_SILU, SD_GELU_TANH
-# forward.c SD_WIDE_*: the matrix families that can take wide activations (kernels.h act_q.wide)
+# forward.c SD_WIDE_*: the matrix families that can take wide activations (kernels.h act_q.wide);
+# a layer's Linear ops are named after theirs
 WIDE_FAMILIES = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8, "lm_head": 16}
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(n, _I32) for n in ("hidden", "inter", "num_layers", "num_heads", "num_kv_heads",
-                                    "head_dim", "vocab", "max_pos")] + \
-               [("eps", _F32), ("scale", _F32), ("act", _I32), ("embed_scale", _F32),
-                ("final_softcap", _F32), ("attn_softcap", _F32), ("wide", _I32),
-                ("rope_cos", _P), ("rope_sin", _P), ("norm", _P),
-                ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
+    _fields_ = [(n, _I32) for n in ("hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab",
+                                    "max_pos")] + \
+               [("eps", _F32), ("embed_scale", _F32), ("final_softcap", _F32), ("wide", _I32),
+                ("norm", _P), ("embed", _Matrix), ("lm_head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("fc", _Matrix), ("fc_bias", _P)]
 
 
@@ -153,6 +157,7 @@ def library() -> ctypes.CDLL:
 def _load(path: str, want: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     check_abi(lib, path)
+    check_op_names(lib, path)
     lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
                                ctypes.POINTER(_Workspace)]
     lib.sd_forward.restype = ctypes.c_int
@@ -211,10 +216,11 @@ class NativeABIError(UserError, RuntimeError):
 
 def expected_abi() -> dict[str, int]:
     """What this side was written against, in sd_abi's order (forward.c)."""
-    return {"abi version": 6, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_layer": ctypes.sizeof(_Layer),
-            "sizeof sd_model": ctypes.sizeof(_Model), "sizeof sd_cache": ctypes.sizeof(_Cache),
-            "sizeof sd_step": ctypes.sizeof(_Step), "sizeof sd_workspace": ctypes.sizeof(_Workspace),
-            **kernel_abi()}
+    return {"abi version": 7, "sizeof sd_matrix": ctypes.sizeof(_Matrix), "sizeof sd_op": ctypes.sizeof(_Op),
+            "sizeof sd_layer": ctypes.sizeof(_Layer), "sizeof sd_model": ctypes.sizeof(_Model),
+            "sizeof sd_cache": ctypes.sizeof(_Cache), "sizeof sd_step": ctypes.sizeof(_Step),
+            "sizeof sd_workspace": ctypes.sizeof(_Workspace), "ops per layer": MAX_OPS,
+            "op kinds": len(program.KINDS), **kernel_abi()}
 
 
 def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
@@ -234,15 +240,15 @@ def check_abi(lib, path: str, expected: dict[str, int] | None = None) -> None:
         raise NativeABIError(f"the native kernel {path} does not match this specdec ({'; '.join(wrong)}); {how}")
 
 
-@functools.cache
-def norm_names() -> tuple[str, ...]:
-    """The optional per-layer norms the kernel applies, in sd_layer.norms' order (forward.c): the
-    engine file's "layers.<i>.<name>" tensors the exporter writes and the loader points at."""
-    lib = library()
-    lib.sd_norm_names.restype = ctypes.c_char_p
-    names = tuple(lib.sd_norm_names().decode().split(","))
-    assert len(names) <= MAX_NORMS, names
-    return names
+def check_op_names(lib, path: str) -> None:
+    """Refuse a library whose op kinds (forward.c sd_op_names, SD_OP_*) are not backend/program.py's
+    KINDS in order: each op record's kind is its index there."""
+    lib.sd_op_names.restype = ctypes.c_char_p
+    names = lib.sd_op_names().decode().split(",")
+    ours = [re.sub(r"(?<!^)([A-Z])", r"_\1", k.__name__).lower() for k in program.KINDS]
+    if names != ours:
+        raise NativeABIError(f"the native kernel {path} names its op kinds {names}, this specdec {ours}; "
+                             "reinstall to recompile it: .venv/bin/pip install -e '.[all]'")
 
 
 def isa() -> str:
@@ -282,53 +288,69 @@ class BlockedMatrix:
 
 
 class NativeModel:
-    """An engine file's tensors and the C model struct over them (kept alive together)."""
+    """An engine file's tensors and the C model struct over them (kept alive together): each
+    layer's program (manifest.ModelConfig.program) as forward.c's op records."""
 
-    def __init__(self, path: str | Path, config: ModelConfig, num_layers: int, wide: tuple[str, ...] = ()):
-        """wide: the matrix families that take wide activations (WIDE_FAMILIES)."""
+    def __init__(self, path: str | Path, config: ModelConfig, num_layers: int, wide: tuple[str, ...] = (),
+                 feature_layers: tuple[int, ...] = ()):
+        """wide: the matrix families that take wide activations (WIDE_FAMILIES); feature_layers:
+        the layers whose input is a feature output (their programs' Features op)."""
         header, t = read_native(path)
         self.header, self.tensors = header, t
         assert num_layers <= header["num_layers"], (num_layers, header["num_layers"])   # a self-draft: the first N
-        mat = lambda name: (_Matrix(_ptr(t[name]), KINDS[header["tensors"][name]["kind"]],
-                                    header["tensors"][name]["rows"], header["tensors"][name]["cols"], 0)
-                            if name in t else _Matrix(None, 0, 0, 0, 0))
-        n = num_layers
+        self.eagle = "fc" in t or "layers.0.hidden_norm" in t        # takes `features`
+        programs = config.programs(num_layers, feature_layers, eagle3="layers.0.hidden_norm" in t)
+        self.layers = (_Layer * num_layers)(*[self._layer(t, i, ops) for i, ops in enumerate(programs)])
         c = config
-        plans = c.plans(n)                       # each layer's steps (manifest.LayerPlan) as forward.c's records
-        uniform = {(p.activation, p.q_scale, p.attn_softcap) for p in plans}
-        assert len(uniform) == 1, f"forward.c runs one activation, q scale and soft-cap per model, not {uniform}"
-        (act, q_scale, attn_softcap), = uniform
-        norms = norm_names()                     # the engine's optional norms (what the exporter wrote)
-
-        def layer(i: int) -> _Layer:
-            p = plans[i]
-            get = lambda name, step=True: _ptr(t.get(f"layers.{i}.{name}")) if step else None
-            fused = f"layers.{i}.qkv" in t
-            qkv = [mat(f"layers.{i}.qkv"), mat(""), mat("")] if fused else \
-                [mat(f"layers.{i}.{p}") for p in ("q", "k", "v")]
-            gu = [mat(f"layers.{i}.gate_up"), mat("")] if f"layers.{i}.gate_up" in t else \
-                [mat(f"layers.{i}.{p}") for p in ("gate", "up")]
-            rope = (_ptr(t["rope_local_cos"]), _ptr(t["rope_local_sin"])) if p.rope == "local" else (None, None)
-            return _Layer(get("attn_norm"), get("mlp_norm"), get("qkv_bias", p.qkv_bias), get("hidden_norm"),
-                          (_P * MAX_NORMS)(*[get(name) for name in norms]), rope[0], rope[1], p.window, 0,
-                          (_Matrix * 3)(*qkv), (_Matrix * 2)(*gu),
-                          mat(f"layers.{i}.o"), mat(f"layers.{i}.down"))
-
-        self.layers = (_Layer * n)(*[layer(i) for i in range(n)])
-        self.struct = _Model(c.hidden_size, c.intermediate_size, n, c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.vocab_size, header["max_positions"], c.rms_norm_eps, q_scale,
-                             ACTIVATIONS[act], c.embed_scale, c.final_logit_softcap, attn_softcap,
-                             wide_mask(wide), _ptr(t["rope_cos"]), _ptr(t["rope_sin"]), _ptr(t.get("norm")), mat("embed"),
-                             mat("lm_head" if "lm_head" in t else "embed"), self.layers, mat("fc"),
+        self.struct = _Model(c.hidden_size, num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+                             header["max_positions"], c.rms_norm_eps, c.embed_scale, c.final_logit_softcap,
+                             wide_mask(wide), _ptr(t.get("norm")), self._matrix("embed"),
+                             self._matrix("lm_head" if "lm_head" in t else "embed"), self.layers, self._matrix("fc"),
                              _ptr(t.get("fc_bias")))
         lib = library()
         lib.sd_model_ok.argtypes, lib.sd_model_ok.restype = [ctypes.c_void_p], ctypes.c_int
         if not lib.sd_model_ok(ctypes.addressof(self.struct)):      # checked once here, not per forward
-            raise NativeABIError(f"{path}: a matrix of this engine has a block kind or shape the native kernel "
+            raise NativeABIError(f"{path}: a matrix or layer program of this engine is one the native kernel "
                                  f"cannot run (a stale or foreign engine file); rebuild it with `specdec build`")
-        self.eagle = "fc" in t or "layers.0.hidden_norm" in t        # takes `features`
         self.embed_rows = header["tensors"]["embed"]["rows"]     # token ids index the (target's) embedding
-        self.num_layers = n
+        self.num_layers = num_layers
+
+    def _matrix(self, name: str) -> _Matrix:
+        """The engine file's blocked matrix `name`; an empty one where the file has none."""
+        if name not in self.tensors:
+            return _Matrix(None, 0, 0, 0, 0)
+        info = self.header["tensors"][name]
+        return _Matrix(_ptr(self.tensors[name]), KINDS[info["kind"]], info["rows"], info["cols"], 0)
+
+    def _layer(self, t: dict, i: int, ops: tuple) -> _Layer:
+        """Layer i's op records: each op's kind and the fields and tensors its kind reads."""
+        assert len(ops) <= MAX_OPS, (len(ops), ops)
+        vec = lambda name: _ptr(t.get(f"layers.{i}.{name}")) if name else None     # NULL: none in the file
+        records = []
+        for op in ops:
+            r = _Op(kind=program.KINDS.index(type(op)))
+            if isinstance(op, program.Norm):
+                r.w, r.w2 = vec(op.weight), vec(op.feature)
+            elif isinstance(op, program.Linear):
+                fused = f"layers.{i}.{op.name}" in t      # else its parts apart (their block kinds differ)
+                mats = [self._matrix(f"layers.{i}.{op.name}")] if fused else \
+                    [self._matrix(f"layers.{i}.{p}") for p in op.parts]
+                r.mat = (_Matrix * 3)(*mats)
+                r.out, r.wide = op.out, WIDE_FAMILIES[op.name]
+                r.bias = vec(f"{op.name}_bias") if op.bias else None
+            elif isinstance(op, program.HeadNorm):
+                r.w, r.w2 = vec(op.q), vec(op.k)
+            elif isinstance(op, program.Rope):
+                table = "rope_local" if op.table == "local" else "rope"
+                r.cos, r.sin = _ptr(t[f"{table}_cos"]), _ptr(t[f"{table}_sin"])
+            elif isinstance(op, program.Attention):
+                r.window, r.scale, r.softcap = op.window, op.scale, op.softcap
+            elif isinstance(op, program.Gate):
+                r.act = ACTIVATIONS[op.act]
+            elif isinstance(op, program.Residual):
+                r.w, r.parallel = vec(op.norm), int(op.parallel)
+            records.append(r)
+        return _Layer(len(records), 0, (_Op * MAX_OPS)(*records))
 
     def set_wide(self, wide: tuple[str, ...]) -> None:
         """The families taking wide activations from the next forward on (the build's measure,
@@ -362,7 +384,7 @@ class NativeRuntime(SlotSequences):
         self.feature_layers = np.array(feature_layers, np.int32)
         self.feature_width = config.hidden_size * (1 + len(feature_layers))
         self.lib = library()
-        self.model = NativeModel(engine_path, config, num_layers, wide)
+        self.model = NativeModel(engine_path, config, num_layers, wide, feature_layers)
         self.threads = options.threads or default_threads()
         self.governor = CoreGovernor(self.threads)     # fewer threads while other processes hold cores
         self.capacity = options.max_sequences or 64

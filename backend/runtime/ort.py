@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend import program
 from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
 from backend.kv_groups import KVGroups, spread_rows
@@ -179,7 +180,7 @@ class OrtRuntime:
         self._kv_shape = (config.num_kv_heads, config.head_dim)
         # the sliding layers' window, where the graph has them (graph.py attn_bias_local)
         has_local = any(i.name == "attn_bias_local" for i in self.session.get_inputs())
-        self._window = max(p.window for p in config.plans(num_layers)) if has_local else 0
+        self._window = max(program.attention(ops).window for ops in config.programs(num_layers)) if has_local else 0
 
     # --- sequences ---------------------------------------------------------------------------
     def alloc(self, seq_id: int) -> None:

@@ -1,13 +1,11 @@
-"""The decoder of the model description (manifest.ModelConfig, each layer read through its
-LayerPlan) in torch, for the GPU runtime (torch_rt.py): the math of the ONNX graph (build/graph.py), RMSNorm, fused q/k/v (+ bias for
-Qwen2), q/k norms per head (Gemma-3), rotary by position (the sliding layers' own base where the
-model has one), GQA attention through the runtime's KV callback (q's multiplier plan.q_scale, the
-layer's sliding window, the scores' soft-cap), norms on the attention and MLP outputs (Gemma),
-SwiGLU or GeGLU (tanh GELU), the scaled embedding, the final norm and the logits' soft-cap; an
-EAGLE head first maps [embedding of x, target feature] through `fc`; an EAGLE-3 head
-(`layers.0.hidden_norm`) takes the feature as its residual stream and attends over
-[norm(embedding), norm(feature)]. A target with `feature_layers` appends those layers' inputs to
-its features (EAGLE-3's, graph.py).
+"""The decoder of the model description in torch, for the GPU runtime (torch_rt.py): each layer's
+program (manifest.ModelConfig.program, backend/program.py) run op by op (`_layer`), or, in the
+invariant mode, by the fused kernels of plugins/fused.py after a peephole pass over the same ops
+(`_fused_steps`); around the layers, the embedding (scaled where the model scales it), the final
+norm and the logits' soft-cap. An EAGLE head first maps [embedding of x, target feature] through
+`fc`; an EAGLE-3 head (`layers.0.hidden_norm`) takes the feature as its residual stream and its
+program's input norm reads [norm(embedding), norm(feature)]. A target with `feature_layers`
+appends those layers' inputs to its features (their programs' Features op; EAGLE-3's, graph.py).
 
 Weights come from an engine file the build wrote (devices/cuda/export.py), canonical names as in
 build/checkpoint.py, in one of three formats:
@@ -49,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backend import program
 from backend.manifest import ModelConfig
 from backend.runtime import fp8
 
@@ -209,42 +208,77 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pad
 
 
 class _Layer:
-    def __init__(self, t, i: int, cfg: ModelConfig, dtype, recipe: fp8.Recipe, hw_fp8: bool):
-        self.plan = plan = cfg.plan(i)                     # its steps (manifest.LayerPlan)
-        def lin(names: list[str], key: str, bias: list[str] | None = None) -> Linear:
-            w = torch.cat([t[f"layers.{i}.{n}"] for n in names])
+    """Layer i's program (manifest.ModelConfig.program) and the tensors its ops read: the linears
+    by name, the norms by weight name (None: absent from the file, an EAGLE-1/2 head's input norm)."""
+
+    def __init__(self, t, i: int, ops: tuple, dtype, recipe: fp8.Recipe, hw_fp8: bool):
+        self.ops = ops
+        self.attention = program.attention(ops)           # its window, soft-cap, q's scale
+        def lin(op: program.Linear) -> Linear:
+            w = torch.cat([t[f"layers.{i}.{n}"] for n in op.parts])
             b = None
-            if bias and f"layers.{i}.{bias[0]}" in t:
-                b = torch.cat([t[f"layers.{i}.{n}"] for n in bias])
+            if op.bias and f"layers.{i}.{op.bias_parts[0]}" in t:
+                b = torch.cat([t[f"layers.{i}.{n}"] for n in op.bias_parts])
             if w.dtype != torch.float8_e4m3fn:
                 return Linear(w, None, b, dtype)
-            name = f"layers.{i}.{key}"
+            name = f"layers.{i}.{op.name}"
             scale = t.get(f"{name}.w_scale")
             if scale is None:                    # an engine file of before recipes: per channel
-                scale = torch.cat([t[f"layers.{i}.{n}.scale"] for n in names]).view(-1, 1)
+                scale = torch.cat([t[f"layers.{i}.{n}.scale"] for n in op.parts]).view(-1, 1)
             assert tuple(scale.shape) == fp8.scale_shape(tuple(w.shape), recipe.weight_block), \
                 f"{name}: weight scale {tuple(scale.shape)} is not recipe {recipe.name}'s"
             act = float(t[f"{name}.act_scale"]) if recipe.static else None
             return Linear(w, scale, b, dtype, recipe, act, recipe.quantizes_input(name), hw_fp8)
 
-        opt = lambda n: None if f"layers.{i}.{n}" not in t else t[f"layers.{i}.{n}"].to(dtype)
-        self.attn_norm = opt("attn_norm")                  # absent in an EAGLE-1/2 head's layer
-        self.hidden_norm = opt("hidden_norm")              # an EAGLE-3 head's feature norm
-        self.mlp_norm = t[f"layers.{i}.mlp_norm"].to(dtype)
-        # Gemma: norms of the attention's and the MLP's outputs, and q/k norms per head (where the
-        # layer's plan has them)
-        post = (lambda n: t[f"layers.{i}.{n}"].to(dtype)) if plan.post_norms else (lambda n: None)
-        self.post_attn_norm, self.post_mlp_norm = post("post_attn_norm"), post("post_mlp_norm")
-        self.q_norm = t[f"layers.{i}.q_norm"].to(dtype) if plan.qk_norm else None
-        self.k_norm = t[f"layers.{i}.k_norm"].to(dtype) if plan.qk_norm else None
-        self.qk_norm = torch.stack([self.q_norm, self.k_norm]) if plan.qk_norm else None    # plugins/fused.py's
-        self.qkv = lin(["q", "k", "v"], "qkv", ["q_bias", "k_bias", "v_bias"] if plan.qkv_bias else None)
-        self.o = lin(["o"], "o")
-        self.gate_up = lin(["gate", "up"], "gate_up")
-        self.down = lin(["down"], "down")
+        self.linear = {op.name: lin(op) for op in ops if isinstance(op, program.Linear)}
+        self.norms = {n: t[f"layers.{i}.{n}"].to(dtype) if f"layers.{i}.{n}" in t else None
+                      for n in sorted(program.norms(ops))}
+        head = next((op for op in ops if isinstance(op, program.HeadNorm)), None)
+        # q's and k's norms [2, D] as plugins/fused.py's rope_kv reads them
+        self.qk_norm = torch.stack([self.norms[head.q], self.norms[head.k]]) if head else None
+        self.fused = _fused_steps(self)
 
     def linears(self) -> dict[str, Linear]:
-        return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
+        return dict(self.linear)
+
+
+def _fused_steps(layer: _Layer) -> list[tuple] | None:
+    """The peephole pass over a layer's program for the fused GPU step (plugins/fused.py), or None
+    where the program has a sequence the fused kernels do not take (the model then runs unfused):
+    a Residual's add waits for the next Norm's kernel (fused.add_rmsnorm; a Features op taps x
+    there), q/k norms and rotary go into the k/v write (fused.rope_kv), a Linear before a Gate is
+    fused.gate_up_act. `h` tracks what the value is: "x" (the stream, its last add pending), a
+    linear's output (maybe split partials), or rows of the compute dtype."""
+    steps, ops, h, tap, head, table = [], layer.ops, "x", False, None, None
+    j = 0
+    while j < len(ops):
+        op = ops[j]
+        if isinstance(op, program.Features) and not tap:
+            tap = True
+        elif isinstance(op, program.Norm) and h == "x" and op.feature is None:
+            steps.append(("norm", layer.norms[op.weight], tap))
+            tap, h = False, "rows"
+        elif isinstance(op, program.Linear) and h == "rows":
+            if j + 1 < len(ops) and isinstance(ops[j + 1], program.Gate):
+                steps.append(("gated", layer.linear[op.name], ops[j + 1].act))
+                j, h = j + 1, "rows"
+            else:
+                steps.append(("linear", layer.linear[op.name]))
+                h = "linear"
+        elif isinstance(op, program.HeadNorm) and h == "linear" and head is None and table is None:
+            head = layer.qk_norm
+        elif isinstance(op, program.Rope) and h == "linear" and table is None:
+            table = op.table
+        elif isinstance(op, program.Attention) and h == "linear" and table is not None:
+            steps.append(("attend", head, table == "local"))
+            h = "rows"
+        elif isinstance(op, program.Residual) and h in ("rows", "linear") and not op.parallel:
+            steps.append(("residual", layer.norms[op.norm] if op.norm else None))
+            h = "x"
+        else:
+            return None
+        j += 1
+    return steps if h == "x" and not tap else None
 
 
 class TorchModel:
@@ -262,15 +296,18 @@ class TorchModel:
         t = {k: v.to(device) for k, v in tensors.items()}
         self.fp8_recipe = fp8_recipe or fp8.LEGACY
         self.hw_fp8 = any(v.dtype == torch.float8_e4m3fn for v in t.values()) and hardware_fp8(device, self.fp8_recipe)
-        self.layers = [_Layer(t, i, cfg, self.dtype, self.fp8_recipe, self.hw_fp8) for i in range(num_layers)]
+        # an EAGLE-3 head (its feature norm): the residual stream is the feature, attention reads
+        # [norm(embedding), norm(feature)]
+        self.eagle3 = "layers.0.hidden_norm" in t
+        programs = cfg.programs(num_layers, self.feature_layers, self.eagle3)
+        self.layers = [_Layer(t, i, ops, self.dtype, self.fp8_recipe, self.hw_fp8) for i, ops in enumerate(programs)]
         self.embed = t["embed"].to(self.dtype)
         self.norm = t["norm"].to(self.dtype) if "norm" in t else None     # absent: an EAGLE-1/2 head
         self.lm_head = t.get("lm_head", t["embed"]).to(self.dtype)
         self.fc = Linear(t["fc"], None, t["fc_bias"], self.dtype) if "fc" in t else None
         tab = lambda a: torch.from_numpy(a).to(device=device, dtype=torch.float32)
         self.rope = {False: tuple(map(tab, rope_tables(cfg, max_positions)))}        # (cos, sin)
-        self.local = [layer.plan.rope == "local" for layer in self.layers]
-        if any(self.local):                      # the sliding layers' own base (Gemma-3)
+        if any(program.Rope("local") in layer.ops for layer in self.layers):   # the sliding layers' own base (Gemma-3)
             self.rope[True] = tuple(map(tab, rope_tables(cfg, max_positions, local=True)))
         # Gemma: sqrt(hidden), rounded to the compute dtype as transformers does (a device
         # tensor made here, not in a forward: a CUDA graph capture may not copy from the host)
@@ -323,7 +360,7 @@ class TorchModel:
         if self._fusable(kv):
             return self._forward_fused(ids, positions, kv, wide)
         x = self.embed[ids]
-        eagle3 = self.layers[0].hidden_norm is not None
+        eagle3 = self.eagle3
         if eagle3 or self.fc is not None:
             assert features is not None, "an EAGLE head needs the target's features"
         elif self.embed_scale is not None:
@@ -335,9 +372,7 @@ class TorchModel:
             x = self.fc(torch.cat([x, features.to(self.dtype)], -1))
         aux = {}
         for i in range(len(self.layers)):
-            if i in self.feature_layers:
-                aux[i] = x
-            x = self._layer(i, x, embeds if eagle3 else None, positions, kv, wide)
+            x = self._layer(i, x, embeds if eagle3 else None, positions, kv, wide, aux)
         normed = self._rmsnorm(x, self.norm)
         if eagle3:
             return x, normed
@@ -347,7 +382,7 @@ class TorchModel:
         """The fused kernels run a forward in the invariant mode where the KV callback gives its
         cache (torch_rt's, with the kernels on) and the model is a target (no EAGLE input)."""
         return (self._invariant and self.fused and getattr(kv, "fused", False) and self.fc is None
-                and self.layers[0].hidden_norm is None and self.norm is not None)
+                and not self.eagle3 and self.norm is not None and all(layer.fused for layer in self.layers))
 
     def _forward_fused(self, ids, positions, kv, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """forward by plugins/fused.py: each sublayer's residual add waits for the next norm's
@@ -365,31 +400,42 @@ class TorchModel:
 
     def _fused_layer(self, i: int, x: torch.Tensor, pending, positions: torch.Tensor, kv, aux: dict,
                      wide: bool = False):
-        """Layer i in 8 launches -> (its input x, its (MLP output, post norm) still to add)."""
+        """Layer i by its fused steps (_fused_steps: 8 launches for a Llama or Gemma layer) -> (its
+        input x, its last residual (the value, its norm) still to add)."""
         from plugins import fused
 
         cfg, layer, eps = self.cfg, self.layers[i], self.cfg.rms_norm_eps
-        x, hn = fused.add_rmsnorm(x, layer.attn_norm, eps, *(pending or ()))
-        if i in self.feature_layers:
-            aux[i] = x
-        k_cache, v_cache, wslot, wcol = kv.cache(i)
-        q = fused.rope_kv(layer.qkv(hn, False, wide), positions, *self.rope[self.local[i]], layer.qk_norm, eps, cfg.num_heads,
-                          cfg.num_kv_heads, k_cache, v_cache, wslot, wcol)
-        o = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
-        x, hn = fused.add_rmsnorm(x, layer.mlp_norm, eps, layer.o(o, False, wide), layer.post_attn_norm)
-        return x, (layer.down(self._gated(layer, hn, wide), False, wide), layer.post_mlp_norm)
+        h = None
+        for kind, *arg in layer.fused:
+            if kind == "norm":
+                x, h = fused.add_rmsnorm(x, arg[0], eps, *(pending or ()))
+                pending = None
+                if arg[1]:
+                    aux[i] = x
+            elif kind == "linear":
+                h = arg[0](h, False, wide)
+            elif kind == "gated":
+                h = self._gated(arg[0], arg[1], h, wide)
+            elif kind == "attend":
+                k_cache, v_cache, wslot, wcol = kv.cache(i)
+                q = fused.rope_kv(h, positions, *self.rope[arg[1]], arg[0], eps, cfg.num_heads, cfg.num_kv_heads,
+                                  k_cache, v_cache, wslot, wcol)
+                h = kv.attend(i, q, self.dtype).reshape(-1, cfg.num_heads * cfg.head_dim)
+            else:                                             # "residual"
+                pending = (h, arg[0])
+        return x, pending
 
-    def _gated(self, layer: _Layer, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def _gated(self, lin: Linear, act: str, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """act(gate) * up of the gate_up linear: its epilogue (plugins/fused.py) where the linear
         runs the invariant kernels, else the torch ops."""
-        lin, gelu = layer.gate_up, layer.plan.activation == "gelu_tanh"
+        gelu = act == "gelu_tanh"
         if lin.w8a16(wide) or (lin.kernel and not lin.fp8):
             from plugins import fused
 
             if lin.wq is not None:
                 return fused.gate_up_act(x, lin.wq[0], gelu, lin.wq[1], lin.recipe.weight_block)
             return fused.gate_up_act(x, lin.w, gelu)
-        g, u = lin(x, wide=wide).split(self.cfg.intermediate_size, -1)
+        g, u = lin(x, wide=wide).split(lin.n // 2, -1)
         return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
 
     def head(self, normed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -404,27 +450,53 @@ class TorchModel:
         return self.logits(rows.reshape(-1, rows.shape[-1])).view(b, index.shape[1], -1)
 
     def _layer(self, i: int, x: torch.Tensor, embeds: torch.Tensor | None, positions: torch.Tensor,
-               kv: KVAccess, wide: bool = False) -> torch.Tensor:
-        """Layer i on the residual stream x -> the next x (embeds: an EAGLE-3 head's)."""
-        cfg, layer = self.cfg, self.layers[i]
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if embeds is not None:
-            hn = torch.cat([self._rmsnorm(embeds, layer.attn_norm), self._rmsnorm(x, layer.hidden_norm)], -1)
-        else:
-            hn = self._rmsnorm(x, layer.attn_norm)
-        qkv = layer.qkv(hn, wide=wide).view(-1, nh + 2 * nkv, d)
-        q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
-        if layer.q_norm is not None:         # per head, before rotary
-            q, k = self._rmsnorm(q, layer.q_norm), self._rmsnorm(k, layer.k_norm)
-        q = self._rope(q, positions, self.local[i])
-        k = self._rope(k, positions, self.local[i])
-        kv.write(i, k, qkv[:, nh + nkv:])
-        o = kv.attend(i, q).reshape(-1, nh * d).to(self.dtype)
-        x = x + self._rmsnorm(layer.o(o, wide=wide), layer.post_attn_norm)
-        gu = layer.gate_up(self._rmsnorm(x, layer.mlp_norm), wide=wide)
-        g, u = gu.split(cfg.intermediate_size, -1)
-        a = F.gelu(g, approximate="tanh") if layer.plan.activation == "gelu_tanh" else F.silu(g)
-        return x + self._rmsnorm(layer.down(a * u, wide=wide), layer.post_mlp_norm)
+               kv: KVAccess, wide: bool = False, aux: dict | None = None) -> torch.Tensor:
+        """Layer i's program on the residual stream x -> the next x (embeds: an EAGLE-3 head's;
+        aux: the feature outputs, at a Features op)."""
+        layer, h, pending = self.layers[i], x, None
+        for op in layer.ops:
+            if isinstance(op, program.Features):
+                aux[i] = x
+            elif isinstance(op, program.Norm):
+                if op.feature:              # EAGLE-3: [norm(embedding), norm(feature)]
+                    h = torch.cat([self._rmsnorm(embeds, layer.norms[op.weight]),
+                                   self._rmsnorm(h, layer.norms[op.feature])], -1)
+                else:
+                    h = self._rmsnorm(h, layer.norms[op.weight])
+            elif isinstance(op, program.Linear):
+                h = layer.linear[op.name](h, wide=wide)
+            elif isinstance(op, program.HeadNorm):        # per head, before rotary
+                q, k, v = self._heads(h)
+                h = (self._rmsnorm(q, layer.norms[op.q]), self._rmsnorm(k, layer.norms[op.k]), v)
+            elif isinstance(op, program.Rope):
+                q, k, v = self._heads(h)
+                local = op.table == "local"
+                h = (self._rope(q, positions, local), self._rope(k, positions, local), v)
+            elif isinstance(op, program.Attention):
+                q, k, v = self._heads(h)
+                kv.write(i, k, v)
+                h = kv.attend(i, q).reshape(-1, self.cfg.num_heads * self.cfg.head_dim).to(self.dtype)
+            elif isinstance(op, program.Gate):
+                g, u = h.split(h.shape[-1] // 2, -1)
+                h = (F.gelu(g, approximate="tanh") if op.act == "gelu_tanh" else F.silu(g)) * u
+            else:                                         # Residual
+                t = self._rmsnorm(h, layer.norms[op.norm]) if op.norm else h
+                if op.parallel:
+                    pending = t
+                else:
+                    x = (x if pending is None else x + pending) + t
+                    pending = None
+                h = x
+        return x
+
+    def _heads(self, h) -> tuple:
+        """q [N, Hq, D], k and v [N, Hkv, D] of q/k/v rows h [N, (Hq + 2 Hkv) D] (as they are
+        where h is already split)."""
+        if isinstance(h, tuple):
+            return h
+        nh, nkv = self.cfg.num_heads, self.cfg.num_kv_heads
+        qkv = h.view(-1, nh + 2 * nkv, self.cfg.head_dim)
+        return qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, H] final-norm rows -> [R, V] float32 logits (soft-capped where the model is)."""

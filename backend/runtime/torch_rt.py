@@ -231,8 +231,8 @@ class _SlotKV:
         b, t = self.x["ids"].shape
         q = q.view(b, t, q.shape[1], q.shape[2])
         kc, vc = self.rt.cache[layer, 0], self.rt.cache[layer, 1]
-        plan = self.rt.model.layers[layer].plan        # q's multiplier, the window, the scores' soft-cap
-        scale, window, cap = plan.q_scale, plan.window, plan.attn_softcap
+        op = self.rt.model.layers[layer].attention       # q's multiplier, the window, the scores' soft-cap
+        scale, window, cap = op.scale, op.window, op.softcap
         if self.rt.kernels:
             from plugins.kernels import tree_attention
 

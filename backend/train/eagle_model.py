@@ -5,7 +5,8 @@ x_{t+1}; an FC layer fuses them (EAGLE, Li et al. 2024, arXiv:2401.15077), one L
 layer with the target's dimensions runs over the sequence (causal / tree attention, its own KV
 cache at serve time), a final RMSNorm gives the predicted feature f^_{t+1}, and the target's
 frozen LM head restricted to the draft vocabulary (FR-Spec, Zhao et al. 2025) gives logits for
-x_{t+2}. The same math is emitted as ONNX by build/graph.py (GraphSpec.eagle).
+x_{t+2}. The layer is the head's program (manifest.ModelConfig.eagle_head's Llama layer,
+backend/program.py), interpreted here over [B, T] rows as every engine interprets it.
 
 `Eagle3Head` is EAGLE-3 (Li et al. 2025, arXiv:2503.01840): its input feature is fc(the target's
 low, middle and high layer features) [3H -> H] at the first step and its own pre-norm output
@@ -18,6 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+
+from backend import program
+from backend.manifest import ModelConfig
 
 LAYER_KEYS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
@@ -39,6 +43,7 @@ class EagleHead(nn.Module):
         h, nh, nkv, d, f = (cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"],
                             cfg["head_dim"], cfg["intermediate_size"])
         self.nh, self.nkv, self.d = nh, nkv, d
+        self.program = layer_program(cfg, len(head_rows), len(cos), eagle3=isinstance(self, Eagle3Head))
         eps = cfg["rms_norm_eps"]
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.attn_norm, self.mlp_norm, self.final_norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
@@ -61,20 +66,55 @@ class EagleHead(nn.Module):
         x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
-    def _attend(self, hn, positions, mask):
-        """The layer's attention over its (normed) input hn [B,T,*] -> [B,T,H]."""
-        b, t, _ = hn.shape
-        q = self._rope(self.q(hn).view(b, t, self.nh, self.d), positions).transpose(1, 2)
-        k = self._rope(self.k(hn).view(b, t, self.nkv, self.d), positions).transpose(1, 2)
-        v = self.v(hn).view(b, t, self.nkv, self.d).transpose(1, 2)
+    def _heads(self, h):
+        """q [B,T,Hq,D], k and v [B,T,Hkv,D] of q/k/v rows h (as they are where h is split)."""
+        if isinstance(h, tuple):
+            return h
+        b, t, _ = h.shape
+        q, k, v = h.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
+        return q.view(b, t, self.nh, self.d), k.view(b, t, self.nkv, self.d), v.view(b, t, self.nkv, self.d)
+
+    def _attend(self, op: program.Attention, q, k, v, mask):
+        """Attention over the sequence (mask [B,1,T,T] additive: causal or a tree) -> [B,T,Hq*D]."""
+        assert op == program.Attention(scale=op.scale), f"a head's layer is a Llama layer's: {op}"
+        b, t = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        att = torch.softmax(q @ k.transpose(-1, -2) / np.sqrt(self.d) + mask, dim=-1)
-        return self.o((att @ v).transpose(1, 2).reshape(b, t, self.nh * self.d))
+        att = torch.softmax(q @ k.transpose(-1, -2) * op.scale + mask, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, self.nh * self.d)
 
-    def _mlp(self, x):
-        hn = self.mlp_norm(x)
-        return x + self.down(nn.functional.silu(self.gate(hn)) * self.up(hn))
+    def _layer(self, x, emb, positions, mask):
+        """The head's layer program on its stream x [B,T,H] (emb: an EAGLE-3 head's token
+        embeddings), op by op, as the engines run it (backend/program.py). Its modules are named
+        after the program's weights: norms attn_norm, mlp_norm, hidden_norm; linears q ... down."""
+        h, pending = x, None
+        for op in self.program:
+            if isinstance(op, program.Norm):
+                h = (torch.cat([getattr(self, op.weight)(emb), getattr(self, op.feature)(h)], -1) if op.feature
+                     else getattr(self, op.weight)(h))
+            elif isinstance(op, program.Linear):
+                h = torch.cat([getattr(self, p)(h) for p in op.parts], -1)
+            elif isinstance(op, program.HeadNorm):
+                q, k, v = self._heads(h)
+                h = getattr(self, op.q)(q), getattr(self, op.k)(k), v
+            elif isinstance(op, program.Rope):
+                assert op.table == "global", "a head's layer has the global rope table"
+                q, k, v = self._heads(h)
+                h = self._rope(q, positions), self._rope(k, positions), v
+            elif isinstance(op, program.Attention):
+                h = self._attend(op, *self._heads(h), mask)
+            elif isinstance(op, program.Gate):
+                g, u = h.chunk(2, -1)
+                h = (nn.functional.gelu(g, approximate="tanh") if op.act == "gelu_tanh" else nn.functional.silu(g)) * u
+            elif isinstance(op, program.Residual):
+                t = getattr(self, op.norm)(h) if op.norm else h
+                if op.parallel:
+                    pending = t
+                else:
+                    x, pending = (x if pending is None else x + pending) + t, None
+                h = x
+        return x
 
     def fuse(self, feats):
         """Target features as the head's feature input (EAGLE-1/2: as they are)."""
@@ -83,8 +123,7 @@ class EagleHead(nn.Module):
     def forward(self, feats, tokens, positions, mask):
         """feats [B,T,H], tokens [B,T], positions [B,T], mask [B,1,T,T] additive
         -> (predicted features [B,T,H], draft logits [B,T,Vd])."""
-        x = self.fc(torch.cat([self.embed[tokens], feats], dim=-1))
-        x = self._mlp(x + self._attend(self.attn_norm(x), positions, mask))
+        x = self._layer(self.fc(torch.cat([self.embed[tokens], feats], dim=-1)), None, positions, mask)
         feat = self.final_norm(x)
         return feat, feat @ self.head.T
 
@@ -103,6 +142,17 @@ class EagleHead(nn.Module):
             self.final_norm.weight.copy_(torch.from_numpy(np.asarray(w["norm"], np.float32)))
             self.fc.weight.copy_(torch.from_numpy(np.asarray(w["fc"], np.float32)))
             self.fc.bias.copy_(torch.from_numpy(np.asarray(w["fc_bias"], np.float32)))
+
+
+def layer_program(cfg: dict, vocab_size: int, max_positions: int, eagle3: bool) -> tuple:
+    """The head's layer (backend/program.py): a Llama layer of the head's shape, as the build
+    describes it (ModelConfig.eagle_head) and every engine runs it."""
+    mc = ModelConfig(architecture="llama", vocab_size=vocab_size, hidden_size=cfg["hidden_size"],
+                     intermediate_size=cfg["intermediate_size"], num_layers=1, num_heads=cfg["num_heads"],
+                     num_kv_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
+                     rope_theta=float(cfg.get("rope_theta") or 10000.0), max_position_embeddings=max_positions,
+                     tie_word_embeddings=False)
+    return mc.program(0, eagle3=eagle3)
 
 
 def causal_mask(t: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,9 +190,7 @@ class Eagle3Head(EagleHead):
     def forward(self, feats, tokens, positions, mask):
         """feats [B,T,3H] (the target's) or [B,T,H] (its own) -> (pre-norm output [B,T,H],
         draft logits [B,T,Vd])."""
-        x = self.fuse(feats)
-        hn = torch.cat([self.attn_norm(self.embed[tokens]), self.hidden_norm(x)], -1)
-        x = self._mlp(x + self._attend(hn, positions, mask))
+        x = self._layer(self.fuse(feats), self.embed[tokens], positions, mask)
         return x, self.final_norm(x) @ self.lm_head.T
 
     def export_weights(self) -> dict[str, np.ndarray]:

@@ -1,8 +1,9 @@
-/* The native CPU decode step: one Llama-family forward over a batch of token trees, straight
+/* The native CPU decode step: one decoder forward over a batch of token trees, straight
  * from GGUF-style 4-bit / 8-bit blocks (built by backend/devices/native/export.py, driven through
  * ctypes by backend/runtime/native.py), composed from the kernels in kernels.h. This file is the
  * model: its structs (mirrored in runtime/native.py, checked at load by sd_abi), the checks of
- * every index a step follows, the KV cache layout, the layer, and the exported entry points.
+ * every index a step follows, the KV cache layout, the layer as a program of ops, and the
+ * exported entry points.
  *
  * Why it exists (docs/perf-notes.md section 12): ONNX Runtime runs our 4-bit graph as ~1400
  * separate kernels, reads ~15% more bytes per token than llama.cpp (fp32 scales, a separate
@@ -28,46 +29,48 @@
 
 #include "kernels.h"
 
-/* The optional norms an architecture places in a layer, by the names the engine file gives them
- * ("layers.<i>.<name>"): runtime/native.py fills sd_layer.norms[] in sd_norm_names()' order (NULL
- * where the engine has none) and devices/native/export.py writes the ones a checkpoint has, so a
- * new placement is a name here and its use below. */
-enum { SD_Q_NORM, SD_K_NORM, SD_POST_ATTN_NORM, SD_POST_MLP_NORM, SD_NORMS, SD_MAX_NORMS = 8 };
-static const char SD_NORM_NAMES[] = "q_norm,k_norm,post_attn_norm,post_mlp_norm";   /* SD_NORMS names, in order */
-_Static_assert(SD_NORMS <= SD_MAX_NORMS, "sd_layer.norms has room for SD_MAX_NORMS");
-
-/* What an architecture adds to the Llama layer is data here, read as flags (the model description,
- * backend/manifest.py ModelConfig, each layer's LayerPlan): NULL norms are absent, window 0 is full
- * attention. */
-typedef struct {
-    const float *attn_norm, *mlp_norm;   /* [H] */
-    const float *qkv_bias;               /* [(Hq + 2 Hkv) D] or NULL */
-    const float *hidden_norm;            /* [H] an EAGLE-3 head's feature norm, else NULL */
-    const float *norms[SD_MAX_NORMS];    /* SD_Q_NORM, SD_K_NORM: [D] per-head norms of q and k before
-                                            rotary (Gemma-3, Qwen3); SD_POST_ATTN_NORM, SD_POST_MLP_NORM:
-                                            [H] norms of the attention and MLP outputs (Gemma); or NULL */
-    const float *rope_cos, *rope_sin;    /* [max_pos, D/2] this layer's rotary tables; NULL: the model's */
-    int32_t window, pad_;                /* sliding window (keys at positions > pos - window), 0: none */
-    sd_matrix qkv[3];                    /* fused [q; k; v] in qkv[0] (qkv[1].data NULL), or q, k, v
-                                            apart when their block kinds differ */
-    sd_matrix gate_up[2];                /* fused [gate; up] in gate_up[0], or apart likewise */
-    sd_matrix o, down;
-} sd_layer;
+/* A layer is a program (backend/program.py, ModelConfig.program): its ops in order, each a record
+ * runtime/native.py fills from the op of the same kind, and layer() a switch over them, as ggml
+ * walks a graph's nodes. The machine has the residual stream x and the value worked on h (x itself
+ * at a layer's start and after each residual). A new order or placement is another op array; a
+ * new kind is a case here, its name in SD_OP_NAMES and its record's fields. */
+enum { SD_OP_FEATURES, SD_OP_NORM, SD_OP_LINEAR, SD_OP_HEAD_NORM, SD_OP_ROPE, SD_OP_ATTENTION, SD_OP_GATE,
+       SD_OP_RESIDUAL, SD_OP_KINDS, SD_MAX_OPS = 16 };
+static const char SD_OP_NAMES[] = "features,norm,linear,head_norm,rope,attention,gate,residual";  /* SD_OP_*, in order */
 
 enum { SD_SILU = 0, SD_GELU_TANH = 1 };
+
+typedef struct {
+    int32_t kind;                        /* SD_OP_* */
+    int32_t out;                         /* LINEAR: outputs per row */
+    int32_t wide;                        /* LINEAR: its family's SD_WIDE_* bit (sd_model.wide: whether wide) */
+    int32_t window;                      /* ATTENTION: keys at positions > pos - window; 0: all */
+    int32_t act;                         /* GATE: SD_SILU | SD_GELU_TANH */
+    int32_t parallel;                    /* RESIDUAL: 1: x stays, this value is added at the next residual */
+    float scale, softcap;                /* ATTENTION: q's multiplier; the scores' cap tanh(s / cap), 0: none */
+    const float *w, *w2;                 /* NORM: [its input's width] its weight (NULL: none) and an EAGLE-3
+                                            head's feature norm [H] (NULL: none); HEAD_NORM: [D] q's and k's;
+                                            RESIDUAL: [H] the value's norm (NULL: none) */
+    const float *cos, *sin;              /* ROPE: [max_pos, D/2] its table */
+    const float *bias;                   /* LINEAR: [out] or NULL */
+    sd_matrix mat[3];                    /* LINEAR: fused in mat[0] (mat[1].data NULL), or its parts apart,
+                                            when their block kinds differ */
+} sd_op;
+
+typedef struct {
+    int32_t num_ops, pad_;
+    sd_op ops[SD_MAX_OPS];
+} sd_layer;
 
 /* sd_model.wide: the matrix families whose inputs are wide activations (kernels.h act_q.wide) */
 enum { SD_WIDE_QKV = 1, SD_WIDE_O = 2, SD_WIDE_GATE_UP = 4, SD_WIDE_DOWN = 8, SD_WIDE_LM_HEAD = 16 };
 
 typedef struct {
-    int32_t hidden, inter, num_layers, num_heads, num_kv_heads, head_dim, vocab, max_pos;
-    float eps, scale;
-    int32_t act;                         /* SD_SILU | SD_GELU_TANH: the gated MLP's activation */
+    int32_t hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab, max_pos;
+    float eps;
     float embed_scale;                   /* the embedding's multiplier (Gemma: sqrt(H)); 0 or 1: none */
     float final_softcap;                 /* logits = cap tanh(logits / cap); 0: none */
-    float attn_softcap;                  /* attention scores likewise, before the mask (Gemma-2); 0: none */
     int32_t wide;                        /* SD_WIDE_* bits: these matrices take wide activations */
-    const float *rope_cos, *rope_sin;    /* [max_pos, D/2] */
     const float *norm;                   /* [H] */
     sd_matrix embed, lm_head;            /* embed: gathered one row per token */
     const sd_layer *layers;
@@ -109,9 +112,13 @@ static inline uint16_t *kv_at(const sd_cache *c, const sd_model *m, int layer, i
     return c->cache + ((((int64_t)layer * 2 + kind) * c->slots + slot) * hkv + h) * c->cols * d + col * d;
 }
 
-/* an EAGLE-3 head: the feature is the residual stream, the attention reads
- * [norm(embedding), norm(feature)] (2h wide) */
-static inline int is_eagle3(const sd_model *m) { return m->num_layers > 0 && m->layers[0].hidden_norm != NULL; }
+/* an EAGLE-3 head (a norm of its program reads the embedding beside the feature): the feature is
+ * the residual stream, the attention reads [norm(embedding), norm(feature)] (2h wide) */
+static int is_eagle3(const sd_model *m) {
+    for (int j = 0; m->num_layers > 0 && j < m->layers[0].num_ops; j++)
+        if (m->layers[0].ops[j].kind == SD_OP_NORM && m->layers[0].ops[j].w2) return 1;
+    return 0;
+}
 
 /* Every index sd_forward follows, checked before it writes anything (issue 31): 0, or which
  * field is out of range (runtime/native.py names it in an IndexError). A few ns a node. */
@@ -149,18 +156,15 @@ static int check_step(const sd_model *m, const sd_cache *c, const sd_step *s) {
 
 typedef struct {             /* one forward's buffers, carved from the workspace (N nodes, L logit rows) */
     float *x;                /* [N, H] the residual stream */
-    float *hn;               /* [max(N, L), H] normed rows; then the logit rows' features */
-    float *qkv;              /* [N, (Hq + 2 Hkv) D] */
-    float *att;              /* [N, Hq D] */
-    float *gu;               /* [N, 2 I] gate | up */
-    float *act;              /* [N, I] */
-    float *cat;              /* [N, 2H] an EAGLE head's fc input, an EAGLE-3 head's attention input; else NULL */
+    float *hn;               /* [max(N, L), H] the logit rows' features */
+    float *v[2];             /* [N, vmax] each: the values a layer's ops work on, one the other's output */
+    float *pend;             /* [N, H] a parallel branch's value waiting for the next residual, or NULL */
     float *emb;              /* [N, H] an EAGLE-3 head's token embeddings, else NULL */
     float *fin;              /* [N, H] final-norm rows: s->hidden itself when that is all it holds */
     float *work;             /* [threads, work_len] attention scratch, a slice per thread */
     size_t work_len;
     uint16_t *zero_col;      /* [MAX_HEAD_DIM] f16 zeros: attention's padding columns */
-    act_q a;                 /* [max(N, L), Kmax] int8 activations; k set per stage */
+    act_q a;                 /* [max(N, L), kmax] int8 activations; k set per stage */
 } buffers;
 
 static size_t round_up(size_t n) { return (n + SD_ALIGN - 1) / SD_ALIGN * SD_ALIGN; }
@@ -174,13 +178,36 @@ static void *take(uint8_t *base, size_t *used, size_t bytes) {
     return p;
 }
 
+static size_t max_z(size_t a, size_t b) { return a > b ? a : b; }
+
+/* The widest value the layers' ops make (vmax), the widest matrix input (kmax; an EAGLE head's fc
+ * takes 2h, the LM head h), and whether a parallel branch waits, walking each program's widths as
+ * the forward does. sd_model_ok checks the same walk against the matrices. */
+static void program_widths(const sd_model *m, size_t *vmax, size_t *kmax, int *parallel) {
+    const size_t h = (size_t)m->hidden, hqd = (size_t)m->num_heads * m->head_dim;
+    *vmax = *kmax = m->fc.data || is_eagle3(m) ? 2 * h : h;
+    *parallel = 0;
+    for (int l = 0; l < m->num_layers; l++) {
+        size_t w = h;
+        for (int j = 0; j < m->layers[l].num_ops; j++) {
+            const sd_op *op = &m->layers[l].ops[j];
+            if (op->kind == SD_OP_NORM) w = op->w2 ? 2 * h : w;
+            else if (op->kind == SD_OP_LINEAR) *kmax = max_z(*kmax, w), w = (size_t)op->out;
+            else if (op->kind == SD_OP_ATTENTION) w = hqd;
+            else if (op->kind == SD_OP_GATE) w /= 2;
+            else if (op->kind == SD_OP_RESIDUAL) w = h, *parallel |= op->parallel;
+            *vmax = max_z(*vmax, w);
+        }
+    }
+}
+
 /* Lays this step's buffers out from `base` (NULL: only measures); the bytes they take. */
 static size_t carve(const sd_model *m, const sd_step *s, uint8_t *base, buffers *b) {
-    const size_t rows = (size_t)s->rows, h = (size_t)m->hidden, inter = (size_t)m->inter;
-    const size_t hqd = (size_t)m->num_heads * m->head_dim, nqkv = (size_t)(m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const size_t rows = (size_t)s->rows, h = (size_t)m->hidden;
     const size_t arows = rows > (size_t)s->num_logits ? rows : (size_t)s->num_logits;
-    size_t kmax = 2 * h > hqd ? 2 * h : hqd;      /* 2h: an EAGLE head's fc input */
-    kmax = inter > kmax ? inter : kmax;
+    size_t vmax, kmax;
+    int parallel;
+    program_widths(m, &vmax, &kmax, &parallel);
     const int eagle3 = is_eagle3(m), threads = s->threads > 0 ? s->threads : 1;
     int max_tokens = 0, max_ctx = 0;
     for (int i = 0; i < s->batch; i++) {
@@ -191,11 +218,9 @@ static size_t carve(const sd_model *m, const sd_step *s, uint8_t *base, buffers 
     size_t used = 0;
     b->x = take(base, &used, sizeof(float) * rows * h);
     b->hn = take(base, &used, sizeof(float) * arows * h);
-    b->qkv = take(base, &used, sizeof(float) * rows * nqkv);
-    b->att = take(base, &used, sizeof(float) * rows * hqd);
-    b->gu = take(base, &used, sizeof(float) * rows * 2 * inter);
-    b->act = take(base, &used, sizeof(float) * rows * inter);
-    b->cat = m->fc.data || eagle3 ? take(base, &used, sizeof(float) * rows * 2 * h) : NULL;
+    b->v[0] = take(base, &used, sizeof(float) * rows * vmax);
+    b->v[1] = take(base, &used, sizeof(float) * rows * vmax);
+    b->pend = parallel ? take(base, &used, sizeof(float) * rows * h) : NULL;
     b->emb = eagle3 ? take(base, &used, sizeof(float) * rows * h) : NULL;
     b->fin = eagle3 || s->num_features ? take(base, &used, sizeof(float) * rows * h) : s->hidden;
     b->work_len = attend_work_floats(max_tokens, max_ctx, s->path_len);
@@ -248,26 +273,50 @@ static void embed(const sd_model *m, const sd_step *s, const buffers *b, act_q *
     } else if (m->fc.data) {
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) {
-            memcpy(b->cat + (size_t)r * 2 * h, b->x + (size_t)r * h, sizeof(float) * h);
-            memcpy(b->cat + (size_t)r * 2 * h + h, s->features + (size_t)r * h, sizeof(float) * h);
+            memcpy(b->v[0] + (size_t)r * 2 * h, b->x + (size_t)r * h, sizeof(float) * h);
+            memcpy(b->v[0] + (size_t)r * 2 * h + h, s->features + (size_t)r * h, sizeof(float) * h);
         }
-        quantize_for(my, m, 0, b->cat, rows, 2 * h);
+        quantize_for(my, m, 0, b->v[0], rows, 2 * h);
         matmul(&m->fc, my, rows, b->x, h, h, 0, m->fc_bias);
     }
 }
 
-/* att = attention of every node, after rotary on qkv and the new K, V written to their columns */
-static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const buffers *b, float *work, int l) {
-    const sd_layer *L = &m->layers[l];
-    const int d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, nqkv = (hq + 2 * hkv) * d;
-    const float *cos = L->rope_cos ? L->rope_cos : m->rope_cos, *sin = L->rope_sin ? L->rope_sin : m->rope_sin;
+/* The ops (each runs on every thread of the forward's parallel region). A value: rows of `width`
+ * floats at p, a layer's x or one of the value buffers. */
+typedef struct { float *p; int width; } value;
+
+/* the buffer an op writes its output to: the value buffer h does not occupy */
+static float *other(const buffers *b, value h) { return h.p == b->v[0] ? b->v[1] : b->v[0]; }
+
+/* HEAD_NORM, ROPE: in place on each node's q and k heads of q/k/v rows h. Without a barrier
+ * (nowait): the attention's first loop has the same static schedule over the same rows, so each
+ * row stays on its thread until it is stored, where the barrier is. */
+static void head_norm(const sd_model *m, const sd_op *op, const sd_step *s, value h) {
+    const int d = m->head_dim, hq = m->num_heads;
+#pragma omp for schedule(static) nowait
+    for (int r = 0; r < s->rows; r++) {
+        float *qr = h.p + (size_t)r * h.width;
+        rmsnorm_heads(qr, hq, d, op->w, m->eps);
+        rmsnorm_heads(qr + (size_t)hq * d, m->num_kv_heads, d, op->w2, m->eps);
+    }
+}
+
+static void rotary(const sd_model *m, const sd_op *op, const sd_step *s, value h) {
+    const int d = m->head_dim;
+#pragma omp for schedule(static) nowait
+    for (int r = 0; r < s->rows; r++)
+        rope(h.p + (size_t)r * h.width, m->num_heads + m->num_kv_heads, d, op->cos + s->pos[r] * (d / 2),
+             op->sin + s->pos[r] * (d / 2));
+}
+
+/* ATTENTION of every node of q/k/v rows h into out [N, Hq D], after the new K, V are written to
+ * their columns */
+static void attention(const sd_model *m, const sd_op *op, sd_cache *c, const sd_step *s, value h, float *out,
+                      float *work, const buffers *b, int l) {
+    const int d = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, nqkv = h.width;
 #pragma omp for schedule(static)
     for (int r = 0; r < s->rows; r++) {
-        float *qr = b->qkv + (size_t)r * nqkv;
-        int64_t p = s->pos[r];
-        if (L->norms[SD_Q_NORM]) rmsnorm_heads(qr, hq, d, L->norms[SD_Q_NORM], m->eps);
-        if (L->norms[SD_K_NORM]) rmsnorm_heads(qr + (size_t)hq * d, hkv, d, L->norms[SD_K_NORM], m->eps);
-        rope(qr, hq + hkv, d, cos + p * (d / 2), sin + p * (d / 2));
+        const float *qr = h.p + (size_t)r * nqkv;
         for (int kh = 0; kh < hkv; kh++) {
             store_f16(kv_at(c, m, l, 0, s->wslot[r], kh, s->wcol[r]), qr + (hq + kh) * d, d);
             store_f16(kv_at(c, m, l, 1, s->wslot[r], kh, s->wcol[r]), qr + (hq + hkv + kh) * d, d);
@@ -280,64 +329,119 @@ static void attention(const sd_model *m, sd_cache *c, const sd_step *s, const bu
         int n = s->row_start[row + 1] - s->row_start[row];
         if (n > 0)
             attend_row(kv_at(c, m, l, 0, s->slots[row], kh, 0), kv_at(c, m, l, 1, s->slots[row], kh, 0), d,
-                       m->scale, m->attn_softcap, L->window, s->pos + r0, s->ctx[row], s->paths + r0 * s->path_len,
-                       s->path_len, n, b->qkv + r0 * nqkv + qh * d, nqkv, b->att + r0 * hq * d + qh * d, hq * d, work,
+                       op->scale, op->softcap, op->window, s->pos + r0, s->ctx[row], s->paths + r0 * s->path_len,
+                       s->path_len, n, h.p + r0 * nqkv + qh * d, nqkv, out + r0 * hq * d + qh * d, hq * d, work,
                        b->zero_col);
     }
 }
 
-/* y [rows, width] = a times a fused matrix (w[0] only) or its n parts apart, their outputs side
- * by side (+ bias [width] or NULL) */
-static void parts(const sd_matrix *w, int n, const act_q *a, int rows, float *y, int width, const float *bias) {
+/* y [rows, width] (= or += where accumulate) = a times a fused matrix (w[0] only) or its n parts
+ * apart, their outputs side by side (+ bias [width] or NULL) */
+static void parts(const sd_matrix *w, int n, const act_q *a, int rows, float *y, int width, int accumulate,
+                  const float *bias) {
     if (!w[1].data) {
-        matmul(&w[0], a, rows, y, width, width, 0, bias);
+        matmul(&w[0], a, rows, y, width, width, accumulate, bias);
         return;
     }
     int off = 0;
     for (int i = 0; i < n && w[i].data; i++) {
         int n_out = i == n - 1 || !w[i + 1].data ? width - off : w[i].rows;
-        matmul(&w[i], a, rows, y + off, width, n_out, 0, bias ? bias + off : NULL);
+        matmul(&w[i], a, rows, y + off, width, n_out, accumulate, bias ? bias + off : NULL);
         off += n_out;
     }
 }
 
-/* x += a W^T, or x += norm(a W^T) where the architecture norms a block's output (Gemma) */
-static void residual(const sd_matrix w, const float *post_norm, const sd_model *m, const act_q *a, int rows,
-                     const buffers *b) {
-    const int h = m->hidden;
-    if (!post_norm) {
-        matmul(&w, a, rows, b->x, h, h, 1, NULL);
-        return;
-    }
-    matmul(&w, a, rows, b->hn, h, h, 0, NULL);
-    add_normed_rows(b->hn, rows, h, post_norm, m->eps, b->x);
+/* x [rows, h] += t */
+static void add_rows(float *x, const float *t, int rows, int h) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < h; j++) x[(size_t)r * h + j] += t[(size_t)r * h + j];
 }
 
-/* decoder layer l over every node, the residual stream x in place */
+/* RESIDUAL of value h: x += h, or x += norm(h) where the op names a norm (Gemma's post norms),
+ * after a waiting parallel branch's value; a parallel op's value waits in pend instead */
+static void residual(const sd_model *m, const sd_op *op, const sd_step *s, const buffers *b, value h, int *pending) {
+    const int rows = s->rows, hd = m->hidden;
+    if (op->parallel) {
+        rmsnorm_rows(h.p, rows, hd, op->w, m->eps, b->pend, hd);     /* a copy where there is no norm */
+        *pending = 1;
+        return;
+    }
+    if (*pending) add_rows(b->x, b->pend, rows, hd);
+    *pending = 0;
+    if (op->w) add_normed_rows(h.p, rows, hd, op->w, m->eps, b->x);
+    else add_rows(b->x, h.p, rows, hd);
+}
+
+/* LINEAR of value h: the op's matrix on h's rows quantized for its family -> the next value;
+ * straight into x (the matmul adding to it) where a plain residual follows (*fold). */
+static value linear(const sd_model *m, const sd_op *op, const sd_op *next, const sd_step *s, const buffers *b,
+                    act_q *my, value h, int *pending, int *fold) {
+    const int rows = s->rows;
+    quantize_for(my, m, op->wide, h.p, rows, h.width);
+    *fold = next && next->kind == SD_OP_RESIDUAL && !next->w && !next->parallel;
+    if (*fold) {
+        if (*pending) add_rows(b->x, b->pend, rows, m->hidden);
+        *pending = 0;
+        parts(op->mat, 3, my, rows, b->x, op->out, 1, op->bias);
+        return (value){b->x, m->hidden};
+    }
+    value y = {other(b, h), op->out};
+    parts(op->mat, 3, my, rows, y.p, y.width, 0, op->bias);
+    return y;
+}
+
+/* NORM of value h (an EAGLE-3 head's: [norm(embedding), norm(h)]) -> the next value */
+static value norm(const sd_model *m, const sd_op *op, const sd_step *s, const buffers *b, value h) {
+    const int rows = s->rows, hd = m->hidden;
+    value y = {other(b, h), op->w2 ? 2 * hd : h.width};
+    if (op->w2) {
+        rmsnorm_rows(b->emb, rows, hd, op->w, m->eps, y.p, 2 * hd);
+        rmsnorm_rows(h.p, rows, hd, op->w2, m->eps, y.p + hd, 2 * hd);
+    } else {
+        rmsnorm_rows(h.p, rows, h.width, op->w, m->eps, y.p, h.width);
+    }
+    return y;
+}
+
+/* decoder layer l over every node, its program's ops in order, the residual stream x in place */
 static void layer(const sd_model *m, sd_cache *c, const sd_step *s, const buffers *b, act_q *my, float *work, int l) {
     const sd_layer *L = &m->layers[l];
-    const int rows = s->rows, h = m->hidden, hqd = m->num_heads * m->head_dim, inter = m->inter;
-    const int nqkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim, hw = h * (1 + s->num_features);
-    for (int f = 0; f < s->num_features; f++)
-        if (s->feature_layers[f] == l) copy_rows(b->x, h, s->hidden + (size_t)(1 + f) * h, hw, rows, h);
-    if (L->hidden_norm) {
-        rmsnorm_rows(b->emb, rows, h, L->attn_norm, m->eps, b->cat, 2 * h);
-        rmsnorm_rows(b->x, rows, h, L->hidden_norm, m->eps, b->cat + h, 2 * h);
-        quantize_for(my, m, SD_WIDE_QKV, b->cat, rows, 2 * h);
-    } else {
-        rmsnorm_rows(b->x, rows, h, L->attn_norm, m->eps, b->hn, h);
-        quantize_for(my, m, SD_WIDE_QKV, b->hn, rows, h);
+    const int rows = s->rows, h = m->hidden, hw = h * (1 + s->num_features);
+    value v = {b->x, h};
+    int pending = 0, fold = 0;
+    for (int j = 0; j < L->num_ops; j++) {
+        const sd_op *op = &L->ops[j];
+        switch (op->kind) {
+        case SD_OP_FEATURES:
+            for (int f = 0; f < s->num_features; f++)
+                if (s->feature_layers[f] == l) copy_rows(b->x, h, s->hidden + (size_t)(1 + f) * h, hw, rows, h);
+            break;
+        case SD_OP_NORM: v = norm(m, op, s, b, v); break;
+        case SD_OP_LINEAR:
+            v = linear(m, op, j + 1 < L->num_ops ? op + 1 : NULL, s, b, my, v, &pending, &fold);
+            j += fold;                         /* the residual it added to x */
+            break;
+        case SD_OP_HEAD_NORM: head_norm(m, op, s, v); break;
+        case SD_OP_ROPE: rotary(m, op, s, v); break;
+        case SD_OP_ATTENTION: {
+            value y = {other(b, v), m->num_heads * m->head_dim};
+            attention(m, op, c, s, v, y.p, work, b, l);
+            v = y;
+            break;
+        }
+        case SD_OP_GATE: {
+            value y = {other(b, v), v.width / 2};
+            gated_rows(v.p, rows, y.width, op->act == SD_GELU_TANH, y.p);
+            v = y;
+            break;
+        }
+        case SD_OP_RESIDUAL:
+            residual(m, op, s, b, v, &pending);
+            v = (value){b->x, h};
+            break;
+        }
     }
-    parts(L->qkv, 3, my, rows, b->qkv, nqkv, L->qkv_bias);
-    attention(m, c, s, b, work, l);
-    quantize_for(my, m, SD_WIDE_O, b->att, rows, hqd);
-    residual(L->o, L->norms[SD_POST_ATTN_NORM], m, my, rows, b);
-    rmsnorm_rows(b->x, rows, h, L->mlp_norm, m->eps, b->hn, h);
-    quantize_for(my, m, SD_WIDE_GATE_UP, b->hn, rows, h);
-    parts(L->gate_up, 2, my, rows, b->gu, 2 * inter, NULL);
-    gated_rows(b->gu, rows, inter, m->act == SD_GELU_TANH, b->act);
-    quantize_for(my, m, SD_WIDE_DOWN, b->act, rows, inter);
-    residual(L->down, L->norms[SD_POST_MLP_NORM], m, my, rows, b);
 }
 
 /* the final norm, the features out, the logits of the nodes that get them */
@@ -360,16 +464,48 @@ static int usable(const sd_matrix *w) {
     return block_bytes(w->type) != 0 && w->cols % block_elems(w->type) == 0 && w->rows % LANES == 0;
 }
 
-/* 1 when every matrix of the model is one the kernels can run; runtime/native.py asks once, when
- * it loads an engine (not on every forward) */
+/* 1 when layer L's program runs as the forward walks it: known kinds, within SD_MAX_OPS; each
+ * op given the width it takes (a residual or an EAGLE-3 head's norm the stream's, the attention's
+ * ops q/k/v rows, a linear its matrices' columns in whole int8 blocks, matrices the kernels can
+ * run); the layer ending on the stream, no parallel branch left waiting */
+static int layer_ok(const sd_model *m, const sd_layer *L) {
+    const int h = m->hidden, nqkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    int w = h, pending = 0;
+    if (L->num_ops < 0 || L->num_ops > SD_MAX_OPS) return 0;
+    for (int j = 0; j < L->num_ops; j++) {
+        const sd_op *op = &L->ops[j];
+        switch (op->kind) {
+        case SD_OP_FEATURES: break;
+        case SD_OP_NORM: if (op->w2 && w != h) return 0; w = op->w2 ? 2 * h : w; break;
+        case SD_OP_LINEAR: {
+            int rows = 0;
+            if (w % QBLOCK || op->out <= 0) return 0;
+            for (int i = 0; i < 3; i++) {
+                if (i > 0 && !op->mat[i].data) continue;
+                if (!usable(&op->mat[i]) || op->mat[i].cols != w) return 0;
+                rows += op->mat[i].rows;
+            }
+            if (op->out > rows) return 0;
+            w = op->out;
+            break;
+        }
+        case SD_OP_HEAD_NORM: if (w != nqkv || !op->w || !op->w2) return 0; break;
+        case SD_OP_ROPE: if (w != nqkv || !op->cos || !op->sin) return 0; break;
+        case SD_OP_ATTENTION: if (w != nqkv) return 0; w = m->num_heads * m->head_dim; break;
+        case SD_OP_GATE: if (w % 2 || (op->act != SD_SILU && op->act != SD_GELU_TANH)) return 0; w /= 2; break;
+        case SD_OP_RESIDUAL: if (w != h) return 0; pending = op->parallel; break;
+        default: return 0;
+        }
+    }
+    return w == h && !pending;
+}
+
+/* 1 when every matrix and layer program of the model is one the kernels can run; runtime/native.py
+ * asks once, when it loads an engine (not on every forward) */
 int sd_model_ok(const sd_model *m) {
     if (!usable(&m->embed) || !usable(&m->lm_head) || (m->fc.data && !usable(&m->fc))) return 0;
-    for (int l = 0; l < m->num_layers; l++) {
-        const sd_layer *L = &m->layers[l];
-        for (int i = 0; i < 3; i++) if ((i == 0 || L->qkv[i].data) && !usable(&L->qkv[i])) return 0;
-        for (int i = 0; i < 2; i++) if ((i == 0 || L->gate_up[i].data) && !usable(&L->gate_up[i])) return 0;
-        if (!usable(&L->o) || !usable(&L->down)) return 0;
-    }
+    for (int l = 0; l < m->num_layers; l++)
+        if (!layer_ok(m, &m->layers[l])) return 0;
     return 1;
 }
 
@@ -379,7 +515,7 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
     const int bad = check_step(m, c, s);
     if (bad) return bad;
     const int h = m->hidden, d = m->head_dim;
-    if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK || m->inter % QBLOCK || (m->num_heads * d) % QBLOCK) return -1;
+    if (d % VW || d > MAX_HEAD_DIM || h % QBLOCK) return -1;      /* the layers' widths: sd_model_ok */
     if (((m->fc.data || is_eagle3(m)) && !s->features) || !s->hidden) return -1;
     buffers b;
     if (reserve(ws, carve(m, s, NULL, &b))) return -1;
@@ -408,19 +544,19 @@ int sd_forward(const sd_model *m, sd_cache *c, const sd_step *s, sd_workspace *w
  * library: a stale or foreign build is refused with a clear message instead of misreading
  * memory. Bump SD_ABI_VERSION when a struct, layout or entry point changes meaning without
  * changing a size (2: sd_forward takes the caller's sd_workspace). */
-#define SD_ABI_VERSION 6   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap;
+#define SD_ABI_VERSION 7   /* 3: model flags (Gemma-3), sliding windows, kernel_abi; 4: attn_softcap;
                               5: wide activations (sd_model.wide, sd_matmul's wide); 6: sd_layer.norms
-                              by name (sd_norm_names) */
+                              by name (sd_norm_names); 7: a layer is its program (sd_op, sd_op_names) */
 int sd_abi(int64_t *out, int n) {
-    int64_t v[8 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_layer), sizeof(sd_model),
-                         sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace)};
-    const int count = 7 + kernel_abi(v + 7);
+    int64_t v[10 + 32] = {SD_ABI_VERSION, sizeof(sd_matrix), sizeof(sd_op), sizeof(sd_layer), sizeof(sd_model),
+                         sizeof(sd_cache), sizeof(sd_step), sizeof(sd_workspace), SD_MAX_OPS, SD_OP_KINDS};
+    const int count = 10 + kernel_abi(v + 10);
     for (int i = 0; i < n && i < count; i++) out[i] = v[i];
     return count;
 }
 
-/* the names of sd_layer.norms' entries, comma separated, in order */
-const char *sd_norm_names(void) { return SD_NORM_NAMES; }
+/* the names of the op kinds (SD_OP_*), comma separated, in order */
+const char *sd_op_names(void) { return SD_OP_NAMES; }
 
 static int tiles_in_use;
 

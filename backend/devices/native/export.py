@@ -24,8 +24,7 @@ from backend.build.checkpoint import Checkpoint
 from backend.devices.native.blocks import kind_of, layout, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)
-from backend.manifest import EngineFile, WeightFormat
-from backend.runtime.native import norm_names
+from backend.manifest import NORMS, EngineFile, WeightFormat
 
 
 def _blocks(parts) -> tuple:
@@ -71,12 +70,7 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
         tensors["lm_head"] = _blocks([ck.tensor("lm_head")])
     for i in range(num_layers):
         t = lambda n: ck.tensor(f"layers.{i}.{n}")
-        if f"layers.{i}.attn_norm" in ck.tensors:
-            tensors[f"layers.{i}.attn_norm"] = f32(t("attn_norm").float32())
-        if f"layers.{i}.hidden_norm" in ck.tensors:          # an EAGLE-3 head's feature norm
-            tensors[f"layers.{i}.hidden_norm"] = f32(t("hidden_norm").float32())
-        tensors[f"layers.{i}.mlp_norm"] = f32(t("mlp_norm").float32())
-        for name in norm_names():                            # what the architecture adds (forward.c's names)
+        for name in NORMS:                          # every norm a layer program may name, where it has it
             if f"layers.{i}.{name}" in ck.tensors:
                 tensors[f"layers.{i}.{name}"] = f32(t(name).float32())
         tensors.update(_fused_or_apart(f"layers.{i}", ("q", "k", "v"), [t("q"), t("k"), t("v")]))
