@@ -32,7 +32,6 @@ typedef __m256 vf;
 #define vadd _mm256_add_ps
 #define vmul _mm256_mul_ps
 #define vstore _mm256_storeu_ps
-static inline __m256 fold(vf v) { return v; }
 static inline vf vloadh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
@@ -45,13 +44,21 @@ static inline __m256 sum8x8(const __m256 *f) {
 }
 
 /* scores of query q (scaled) against 8 columns; each lane's arithmetic is the same wherever its
- * column sits among the 8 */
+ * column sits among the 8, and on either width: AVX-512's lanes 0-7 chain the even 8-float chunks
+ * of the head dimension and lanes 8-15 the odd ones, then fold; AVX2 keeps those two chains, so a
+ * score has the same bits on both (tests/test_native_isa.py) */
 static inline __m256 scores8(const vf *qv, int dv, const uint16_t *const *k8) {
     __m256 f[8];
     for (int i = 0; i < 8; i++) {
+#if defined(__AVX512F__)
         vf acc = vzero();
         for (int e = 0; e < dv; e++) acc = vfma(qv[e], vloadh(k8[i] + e * VW), acc);
         f[i] = fold(acc);
+#else
+        __m256 acc[2] = {vzero(), vzero()};
+        for (int e = 0; e < dv; e++) acc[e & 1] = vfma(qv[e], vloadh(k8[i] + e * VW), acc[e & 1]);
+        f[i] = _mm256_add_ps(acc[0], acc[1]);
+#endif
     }
     return sum8x8(f);
 }
