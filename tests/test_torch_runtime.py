@@ -122,15 +122,26 @@ def test_quality_reports_top1_agreement_and_kl(tiny, tmp_path):
     assert fp8["kl_mean"] > 0 and [p["positions"] for p in saved["prompts"]] == [12, 12]
 
 
-def test_check_kernels_lists_the_kernels_and_the_engine_graph_ok(tmp_path):
+def test_check_kernels_lists_the_kernels_and_the_engine_graph_ok(tmp_path, monkeypatch):
+    """`specdec check-kernels --quick` (the command's report), then the one case --quick leaves out
+    that no other CPU test has: tree attention at Llama-8B's shape (32 query heads over 8, head_dim
+    128, context 300). What else the full command adds are vocabularies of 4099 and 49152 for
+    verify: the same loop over 1024-entry blocks as test_kernels' ragged 2500 (43 s of CPU here)."""
+    from backend.bench import kernel_check
     from backend.cli import main
 
-    assert main(["check-kernels", "--json", str(tmp_path / "k.json")]) == 0
+    assert main(["check-kernels", "--quick", "--json", str(tmp_path / "k.json")]) == 0
     report = json.loads((tmp_path / "k.json").read_text())
-    assert [k["name"] for k in report["kernels"]] == ["tree_attention", "verify", "engine_graph"]
+    assert report["quick"] and [k["name"] for k in report["kernels"]] == ["tree_attention", "verify", "engine_graph"]
     assert all(k["ok"] and k["cases"] > 0 for k in report["kernels"]) and report["kernels"][0]["bitwise_invariant"]
     assert report["kernels"][2]["max_abs_err"] <= 1e-4 and report["kernels"][2]["rejection_sample_equal"]
     assert report["kernels"][0]["plugin_kernel_equal"] and report["kernels"][1]["plugin_mismatched_rows"] == 0
+    rng = np.random.default_rng(0)
+    big = list(kernel_check._attention_cases(rng))[-1]
+    assert big[0].shape[2:] == (32, 128) and big[1].shape[1] == 8 and int(big[4][0]) == 300
+    monkeypatch.setattr(kernel_check, "_attention_cases", lambda rng: iter([big]))
+    r = kernel_check.check_attention("cpu", rng)
+    assert r["cases"] == 1 and r["ok"] and r["bitwise_invariant"] and r["plugin_kernel_equal"], r
 
 
 @pytest.mark.slow
