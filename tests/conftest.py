@@ -230,16 +230,36 @@ def generate(dec, prompt, kind, params) -> list[int]:
     return [t for o in dec.generate(Request(tuple(prompt), params, kind)) for t in o.new_ids]
 
 
-def assert_greedy_identity(dec, kind) -> None:
+def assert_greedy_identity(dec, kind, plain: list | None = None) -> list:
     """Greedy speculation with drafter `kind` is token-identical to plain decoding (a runtime's
-    losslessness test, tiny-model prompts)."""
+    losslessness test, tiny-model prompts) -> the plain tokens. plain: those of an earlier call
+    on a decoder of the same target engine, runtime and settings (drafters aside), not decoded
+    again."""
     from backend.config import DrafterKind, SamplingParams
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    plain = [generate(dec, p, DrafterKind.NONE, params) for p in LOSSLESS_PROMPTS]
+    if plain is None:
+        plain = [generate(dec, p, DrafterKind.NONE, params) for p in LOSSLESS_PROMPTS]
     spec = [generate(dec, p, DrafterKind(kind), params) for p in LOSSLESS_PROMPTS]
     assert spec == plain
     assert dec.stats.num_draft_tokens > 0
+    return plain
+
+
+@pytest.fixture(scope="module")
+def plain_tokens() -> dict:
+    """A module's plain tokens by (engine directory, weight format): see assert_spec_is_plain."""
+    return {}
+
+
+def assert_spec_is_plain(plain_tokens: dict, manifest, weight_format: str, kind, **spec) -> None:
+    """assert_greedy_identity on spec_decoder(manifest, weight_format, **spec), the plain tokens
+    decoded once per module for each engine directory and format (plain_tokens: the module's
+    fixture): spec_decoder fixes the runtime and its options, and `spec` (the drafters and their
+    budget) changes nothing in plain decoding. Every call still decodes speculatively."""
+    key = (str(manifest.root), weight_format)
+    dec = spec_decoder(manifest, weight_format, **spec)
+    plain_tokens[key] = assert_greedy_identity(dec, kind, plain_tokens.get(key))
 
 
 def spec_decoder(manifest, weight_format: str, **spec):

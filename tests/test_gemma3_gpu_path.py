@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (assert_compiles, assert_greedy_identity, assert_verify_equals_steps_along_paths,
+from conftest import (assert_compiles, assert_spec_is_plain, assert_verify_equals_steps_along_paths,
                       decode_and_branch_errors, device_env, hf_logits, make_tiny_checkpoint, plugin_attention_case,
-                      prefill_logits, rel_err, spec_decoder, tree_branch_error)
+                      prefill_logits, rel_err, tree_branch_error)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -263,8 +263,8 @@ def test_cuda_build_incremental_decode_and_tree_branches(cuda_build):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model"])
-def test_cuda_build_greedy_speculation_is_plain(cuda_build, kind):
-    assert_greedy_identity(spec_decoder(cuda_build[0], "fp32", num_draft_tokens=4), kind)
+def test_cuda_build_greedy_speculation_is_plain(cuda_build, kind, plain_tokens):
+    assert_spec_is_plain(plain_tokens, cuda_build[0], "fp32", kind, num_draft_tokens=4)
 
 
 @pytest.mark.slow
@@ -306,11 +306,12 @@ def test_tensorrt_build_matches_transformers(trt_build):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model"])
-def test_tensorrt_build_greedy_speculation_is_plain_with_verification_in_the_graph(trt_build, kind, monkeypatch):
+def test_tensorrt_build_greedy_speculation_is_plain_with_verification_in_the_graph(trt_build, kind, monkeypatch,
+                                                                                  plain_tokens):
     from backend.runtime import engine_rt
 
     monkeypatch.setattr(engine_rt, "verify_on_host", lambda *a: pytest.fail("verified on the host"))
-    assert_greedy_identity(spec_decoder(trt_build[0], "fp32", num_draft_tokens=4), kind)
+    assert_spec_is_plain(plain_tokens, trt_build[0], "fp32", kind, num_draft_tokens=4)
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import pytest
 from backend.config import DrafterKind, SamplingParams
 from backend.manifest import Device, EngineManifest, WeightFormat
 from backend.sequence import Request
-from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_greedy_identity,  # noqa: E402
-                      assert_seeded_sampling_matches_plain, assert_serves_like_offline, chain,
+from conftest import (LOSSLESS_PROMPTS as PROMPTS, assert_seeded_sampling_matches_plain,  # noqa: E402
+                      assert_serves_like_offline, assert_spec_is_plain, chain,
                       spec_decoder, tiny_with_head)
 
 torch = pytest.importorskip("torch")
@@ -53,8 +53,8 @@ def decoder(m, **spec):
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])
-def test_greedy_speculation_is_identical_to_plain(tiny, kind):
-    assert_greedy_identity(decoder(tiny[0], num_draft_tokens=4), kind)
+def test_greedy_speculation_is_identical_to_plain(tiny, kind, plain_tokens):
+    assert_spec_is_plain(plain_tokens, tiny[0], "fp32", kind, num_draft_tokens=4)
 
 
 def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):

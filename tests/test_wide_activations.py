@@ -131,5 +131,6 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
 def test_an_engine_with_wide_matrices_is_exact_and_batch_invariant(tiny):
     named, _ = tiny
     assert named.engine("gguf").batch_invariant            # the build's verify-vs-single-steps check
+    plain = None
     for kind in ("prompt-lookup", "draft-model"):           # draft-model: the self:1 draft
-        assert_greedy_identity(spec_decoder(named, "gguf", num_draft_tokens=4), kind)
+        plain = assert_greedy_identity(spec_decoder(named, "gguf", num_draft_tokens=4), kind, plain)
