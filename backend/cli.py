@@ -115,6 +115,13 @@ def cmd_bench_engine(args) -> int:
         raise UserError(f"--isa: {bad!r} is not one of {', '.join(engine_bench.ISAS)} "
                         f"(SPECDEC_ISA=avx2 or avx-vnni loads another library: set it for the whole run instead)")
     m = EngineManifest.load(_engine_dir(args))
+    if args.builds:
+        pairs = [b.partition("=") for b in args.builds.split(";")]
+        if any(not name or not path for name, _, path in pairs):
+            raise UserError(f"--builds: expected name=library.so by ';', got {args.builds!r}")
+        engine_bench.ab_builds(m, {name: path for name, _, path in pairs}, isas, args.reps,
+                               Path(args.json) if args.json else None)
+        return 0
     if args.wide or args.isa:
         engine_bench.ab(m, load_prompts(args.prompts), (args.wide or "built").split(";"), isas, args.reps,
                         args.max_new_tokens, Path(args.json) if args.json else None)
@@ -153,6 +160,7 @@ def cmd_serve(args) -> int:
     from backend.serve.launcher import TritonServer
     from backend.serve.supervisor import Supervisor
 
+    dynamo = _check_dynamo_args(args)
     repo = Path(args.model_repository)
     manifest = repo / ENGINE_SUBDIR / "manifest.json"
     if not manifest.exists() and not (repo / "draft" / "config.pbtxt").exists():
@@ -170,6 +178,10 @@ def cmd_serve(args) -> int:
     if problem:
         print(problem, flush=True)
         return 2
+    if dynamo:
+        from backend.serve.dynamo.launch import serve
+
+        return serve(args, repo)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port,
                           log_verbose=args.log_verbose, log_file=args.log_file)
     stop = threading.Event()
@@ -196,15 +208,28 @@ def cmd_serve(args) -> int:
     return 0 if rc in (0, None) else 1
 
 
+def _check_dynamo_args(args) -> bool:
+    """Whether `specdec serve` puts nodes behind NVIDIA Dynamo (docs/scale-out.md); its flags checked."""
+    from backend.errors import UserError
+
+    if args.nodes < 0:
+        raise UserError(f"--nodes must be >= 0, got {args.nodes}")
+    if sum(map(bool, (args.nodes, args.dynamo_node, args.dynamo_frontend))) > 1:
+        raise UserError("--nodes, --dynamo-node and --dynamo-frontend are three ways to serve: choose one")
+    if args.migration_limit < 0:
+        raise UserError(f"--migration-limit must be >= 0, got {args.migration_limit}")
+    return bool(args.nodes or args.dynamo_node or args.dynamo_frontend)
+
+
 def _start_openai(args, engine_dir: Path, triton_http_url: str, supervisor):
     """The OpenAI-compatible front door on --openai-port (None with --no-openai, or for a draft
     node's repository, which has no `specdec` model)."""
-    from backend.serve.openai_api import OpenAIServer, front_for
+    from backend.serve.openai_api import Front, OpenAIServer
 
     if args.no_openai or not (engine_dir / "manifest.json").exists():
         return None
     try:
-        return OpenAIServer(front_for(engine_dir, triton_http_url), args.openai_port).start()
+        return OpenAIServer(Front(triton_http_url), args.openai_port).start()
     except Exception:
         supervisor.stop()
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from backend import request_schema
 from backend.bench.prompt_sets import default_prompts
 from backend.devices import DEVICES, FORMATS, OPTIONS
 
@@ -57,6 +58,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="drafts to build on first run (default: self:4 and the committed EAGLE head)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--log-file", default=None)
+    scale = p.add_argument_group("scale-out behind NVIDIA Dynamo (docs/scale-out.md)")
+    scale.add_argument("--nodes", type=int, default=0,
+                       help="N nodes on this machine behind Dynamo's frontend (KV-aware router, request "
+                            "migration); the frontend serves the OpenAI API on --openai-port")
+    scale.add_argument("--router", default="kv", choices=["kv", "round-robin"],
+                       help="how the frontend picks a node: kv (where the prompt's prefix is cached, "
+                            "and the load), round-robin")
+    scale.add_argument("--dynamo-node", action="store_true",
+                       help="serve this machine as one node of a Dynamo deployment (found through --discovery)")
+    scale.add_argument("--dynamo-frontend", action="store_true",
+                       help="serve Dynamo's frontend only, for the nodes it discovers")
+    scale.add_argument("--discovery", default="file", choices=["file", "etcd", "kubernetes"],
+                       help="how frontend and nodes find each other: file (one machine; $DYN_FILE_KV, "
+                            "else a new directory), etcd ($ETCD_ENDPOINTS), kubernetes")
+    scale.add_argument("--namespace", default="specdec", help="Dynamo namespace of the deployment")
+    scale.add_argument("--migration-limit", type=int, default=3,
+                       help="times the frontend may move a request to another node when its node dies")
+    scale.add_argument("--openai-host", default="127.0.0.1",
+                       help="address Dynamo's frontend listens on (0.0.0.0 to serve other machines)")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -66,14 +86,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="specdec", help="specdec or ensemble")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--drafter", default=None, help="auto | none | prompt-lookup | suffix | draft-model | eagle")
-    p.add_argument("--num-draft-tokens", type=int, default=None)
+    for f in request_schema.FIELDS:                  # the request schema's fields as they are
+        if f.flag:
+            p.add_argument(f.flag, type=f.py_type, default=None, help=f"{f.meaning} (default: {f.default_text})")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is (no chat template): plain text to continue; needed for a base model, which has no chat template")
 
@@ -185,6 +202,11 @@ def add_bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", default=None,
                    help="instead: the matmul paths to A/B, by ';' (amx: AMX tiles; avx512: the vector path), "
                         "crossed with --wide's settings (default built), alternated --reps times in one process")
+    p.add_argument("--builds", default=None,
+                   help="instead: builds of the native kernel to A/B, name=library.so by ';' (the same library "
+                        "under two names: an A/A control), crossed with --isa's paths (default: default), B=1 "
+                        "forwards of T=1..16 after 256 tokens alternated --reps times in one process; CPU time "
+                        "with SPECDEC_THREADS=1")
 
 
 def add_build_draft_node_args(p: argparse.ArgumentParser) -> None:

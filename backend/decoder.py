@@ -144,7 +144,7 @@ class SpecDecoder:
         ids, parents, index = pack_drafts(drafts)
         fwd, verdicts = forward_verify(self.target, [s.seq_id for s in seqs], ids, parents, index,   # verify
                                        drafts, [s.params for s in seqs], [s.noise for s in seqs],
-                                       [len(s.output_ids) for s in seqs])
+                                       [s.position for s in seqs])
         self.target.commit([s.seq_id for s in seqs], [v.accepted_nodes for v in verdicts])  # commit
         t2 = time.perf_counter()
         self.controller.observe_step(len(seqs), ids.shape[1], t1 - t0, t2 - t1, int((parents != PAD_PARENT).sum()))

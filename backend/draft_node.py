@@ -19,6 +19,7 @@ import itertools
 
 import numpy as np
 
+from backend import request_schema
 from backend.config import SamplingParams
 from backend.drafters.base import Draft
 from backend.sampling import PositionNoise
@@ -33,7 +34,7 @@ class Shadow:
         self.output_ids = [tokens[-1]]
         self.params = SamplingParams()
         self.noise: PositionNoise | None = None
-        self.position = 0                            # the target's len(output_ids)
+        self.position = 0                            # the target's sequence position (its noise key)
         self.last_draft: Draft | None = None
 
     def all_ids(self) -> list[int]:
@@ -112,8 +113,7 @@ class DraftNode:
             shadow.output_ids.extend(tokens)
             self._shadows.move_to_end(key)
         p = row.get("params", {})
-        shadow.params = SamplingParams(temperature=float(p.get("temperature", 0.0)), top_k=int(p.get("top_k", 0)),
-                                       top_p=float(p.get("top_p", 1.0)), min_p=float(p.get("min_p", 0.0)))
+        shadow.params = SamplingParams(**{f.param: f.py_type(p[f.param]) for f in request_schema.DRAFT if f.param in p})
         if shadow.noise is None or shadow.noise.seed != int(row["seed"]):
             shadow.noise = PositionNoise(int(row["seed"]), self.vocab)
         shadow.position = int(row["position"])

@@ -45,10 +45,20 @@ Each update is an IPC call on Triton (~50 us), so values are aggregated per step
   specdec_prefix_cache_evictions_total{engine}    blocks evicted (least recently used first)
   specdec_prefix_cache_bytes{engine}              gauge, bytes the cache holds (KV and features)
   specdec_prefix_cache_capacity_bytes{engine}     gauge, its budget (model parameter prefix_cache_mb)
+  specdec_heap_bytes{kind}                        gauge, the process's C heap (glibc's mallinfo2):
+                                                  in_use (live allocations, mmapped ones included)
+                                                  and held (what malloc has from the system); with
+                                                  specdec_python_blocks (live Python allocator
+                                                  blocks) what tells a leak from a high-water mark
+                                                  or fragmentation; published every 64 steps and
+                                                  whenever the scheduler goes idle
 """
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
+import sys
 import time
 from typing import Protocol
 
@@ -94,6 +104,7 @@ class Metrics:
         self._prefix: dict[str, tuple] = {}   # engine -> counters, gauges, counts published
         self._vocab = None                  # made at the first cross-vocabulary draft
         self._methods: dict = {}            # cross-vocabulary rows by method, made at first use
+        self._heap: dict[str, object] = {}  # kind -> gauge
 
     def _drafter(self, name: str):
         if name not in self._by_drafter:
@@ -233,11 +244,60 @@ class Metrics:
     def set_active(self, n: int) -> None:
         self.active.set(n)
 
+    def on_heap(self) -> None:
+        """The process's heap (specdec_heap_bytes{kind}, specdec_python_blocks)."""
+        for kind, v in heap_bytes().items():
+            if kind not in self._heap:
+                self._heap[kind] = self.r.gauge("specdec_heap_bytes", "The process's C heap (mallinfo2)",
+                                                {**self.labels, "kind": kind})
+            self._heap[kind].set(v)
+        if "python" not in self._heap:
+            self._heap["python"] = self.r.gauge("specdec_python_blocks", "Live Python allocator blocks", self.labels)
+        self._heap["python"].set(sys.getallocatedblocks())
+
     def on_kernel(self, path: str) -> None:
         """The path the target's matmul runs on (native: amx | avx512-vnni | avx-vnni | avx2), as an
         info gauge: specdec_kernel_info{path} 1."""
         self.r.gauge("specdec_kernel_info", "The target engine's matmul path (the native kernel's ISA path)",
                      {**self.labels, "path": path}).set(1)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):          # not glibc, or glibc < 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+try:
+    _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+except (OSError, AttributeError):
+    _MALLOC_TRIM = None
+
+
+def trim_heap() -> None:
+    """Give malloc's free pages back to the system (glibc's malloc_trim(0): every arena, not only
+    the top): what a load's transient buffers left behind in the threads' arenas stops counting
+    in the process's RSS. A no-op where it is missing."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def heap_bytes() -> dict[str, int]:
+    """The C heap: in_use (live malloc'd bytes, mmapped chunks included) and held (what malloc has
+    taken from the system); {} where glibc's mallinfo2 is missing."""
+    if _MALLINFO2 is None:
+        return {}
+    m = _MALLINFO2()
+    return {"in_use": m.uordblks + m.hblkhd, "held": m.arena + m.hblkhd}
 
 
 class MemoryRegistry:

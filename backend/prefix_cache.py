@@ -27,6 +27,12 @@ in the budget; a lookup that needs them stops at the first block without.
 
 The storage (`BlockStorage`) is the runtime's: a pool of `capacity` block-sized entries beside
 its KV slots (runtime/slot_blocks.py), allocated once from the budget.
+
+A listener (`BlockEvents`, `events`) hears every block the cache keeps and every block it lets
+go, once each: a chain of new blocks after its copy succeeded (their keys, tokens and the key of
+the block before them), a block's key when it is evicted. That is what a KV-aware router needs
+to know which node holds a prompt's prefix (backend/kv_events.py publishes it in vLLM's
+KV-event format).
 Knows: blocks, keys, pins, recency, bytes. Does not know: tensors, devices, models.
 """
 from __future__ import annotations
@@ -78,6 +84,17 @@ class BlockStorage(Protocol):
         committed prefix (the sequence holds nothing yet)."""
 
 
+class BlockEvents(Protocol):
+    """A listener to what the cache holds (called from the thread that uses the cache)."""
+
+    def stored(self, parent: bytes | None, blocks: list[tuple[bytes, bytes]]) -> None:
+        """A chain of blocks kept: (key, token ids as int64 bytes) in order; `parent` is the key
+        of the block before the first (None: the first follows the root)."""
+
+    def removed(self, keys: list[bytes]) -> None:
+        """Blocks evicted (each one announced by `stored` before)."""
+
+
 @dataclass
 class _Entry:
     key: bytes
@@ -86,6 +103,7 @@ class _Entry:
     handle: int                          # the storage's pool entry
     hidden: np.ndarray | None = None     # [block, W] target features, when a publisher had them
     pins: int = 0
+    announced: bool = False              # told to `events` (so its eviction is told too)
 
 
 @dataclass
@@ -121,6 +139,7 @@ class PrefixCache:
         self._lru: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()   # oldest first
         self._pins: dict[int, list[_Entry]] = {}
         self.stats = PrefixStats(capacity_bytes=self.capacity * self.block_bytes)
+        self.events: BlockEvents | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -182,6 +201,7 @@ class PrefixCache:
                     self.stats.bytes += feats.nbytes
                 parent = key
             self._save(seq_id, new)
+            self._announce(chain, new)
         except BaseException:
             failed = True
             raise
@@ -200,6 +220,21 @@ class PrefixCache:
         for j in range(1, len(new) + 1):
             if j == len(new) or new[j][0] != new[j - 1][0] + 1:
                 self.storage.save(seq_id, new[start][0], [e.handle for _, e in new[start:j]])
+                start = j
+
+    def _announce(self, chain: list[_Entry], new: list[tuple[int, _Entry]]) -> None:
+        """Tell `events` of the new blocks, one call per run of consecutive blocks (a block
+        between runs was cached already: the next run's parent)."""
+        if self.events is None:
+            return
+        start = 0
+        for j in range(1, len(new) + 1):
+            if j == len(new) or new[j][0] != new[j - 1][0] + 1:
+                first = new[start][0]
+                parent = chain[first - 1].key if first else None
+                self.events.stored(parent, [(e.key, e.tokens) for _, e in new[start:j]])
+                for _, e in new[start:j]:
+                    e.announced = True
                 start = j
 
     def release(self, seq_id: int) -> None:
@@ -237,6 +272,8 @@ class PrefixCache:
         self._free.append(e.handle)
         self.stats.bytes -= self.block_bytes + (0 if e.hidden is None else e.hidden.nbytes)
         self.stats.evicted_blocks += 1
+        if e.announced and self.events is not None:
+            self.events.removed([e.key])
 
     def _touch(self, chain: list[_Entry]) -> None:
         """Most recent: the chain, its root last (a parent stays more recent than its children)."""

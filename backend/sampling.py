@@ -10,11 +10,13 @@ distribution; speculative verification (verify.py) preserves exactly this distri
 Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. per token picks token x
 with probability p(x) (gpt-fast `multinomial_sample_one_no_sync`, vLLM).
 
-The noise is keyed to the output position (`PositionNoise`): E_i, the noise of a request's i-th
-output token, is a pure function of (seed, i), never of how many draws a step made. Plain
-decoding emits argmax(p_i / E_i) at position i, and so does speculative verification whatever
-was drafted (verify.py), so a seeded request gives the same text alone or in a batch, with any
-drafter and any draft budget. E_i comes from Philox4x32-10 (Salmon et al., SC'11; the generator
+The noise is keyed to the sequence position (`PositionNoise`): E_i, the noise of the token at
+position i of the sequence (prompt tokens counted), is a pure function of (seed, i), never of how
+many draws a step made. Plain decoding emits argmax(p_i / E_i) at position i, and so does
+speculative verification whatever was drafted (verify.py), so a seeded request gives the same
+text alone or in a batch, with any drafter and any draft budget; and a request continued from
+its prompt and the output it had so far (a migrated request: docs/scale-out.md) draws the same
+noise as the uninterrupted one. E_i comes from Philox4x32-10 (Salmon et al., SC'11; the generator
 of cuRAND and of Triton's `tl.randint4x`), keyed by the 64-bit seed with counter
 (token // 4, i, 0, 0), so a GPU kernel can make the same noise on the device from two integers.
 Knows: numpy math on one row of logits. Does not know: trees, drafts, models.

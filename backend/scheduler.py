@@ -20,6 +20,7 @@ from typing import Protocol
 
 from backend.config import RequestError
 from backend.decoder import SpecDecoder
+from backend.metrics import trim_heap
 from backend.sequence import Request, SequenceState, StepOutput
 
 log = logging.getLogger("specdec.scheduler")
@@ -57,6 +58,7 @@ class Scheduler:
         self._prefilling: collections.deque[_Entry] = collections.deque()
         self._active: list[_Entry] = []
         self._idle_wait = idle_wait_s
+        self._busy = False                  # sequences were active at the last gauge update
         self._running = True
         self.steps = 0
         self.batch_hist: collections.Counter = collections.Counter()   # batch size -> steps
@@ -182,6 +184,7 @@ class Scheduler:
             if self.steps % 64 == 1:                            # a few IPC calls: not every step
                 self.metrics.on_corrections(self.decoder.controller.corrections())
                 self.metrics.on_prefix(self.decoder.prefix_stats())
+                self.metrics.on_heap()
         for e, out in zip(batch, outs):
             e.sink.send(out)
             if out.finished:
@@ -207,5 +210,11 @@ class Scheduler:
         self._set_active_gauge()
 
     def _set_active_gauge(self) -> None:
+        n = self.num_active()
         if self.metrics is not None:
-            self.metrics.set_active(self.num_active())
+            self.metrics.set_active(n)
+        if n == 0 and self._busy:           # gone idle: malloc's free pages back to the system,
+            trim_heap()                     # then the heap as the load left it
+            if self.metrics is not None:
+                self.metrics.on_heap()
+        self._busy = n > 0

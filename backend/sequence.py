@@ -121,7 +121,7 @@ class SequenceState:
     seq_id: int
     request: Request
     drafter: DrafterKind
-    noise: PositionNoise               # E_i per output position i (sampling.py)
+    noise: PositionNoise               # E_i per sequence position i (sampling.py)
     stop_ids: frozenset[int]
     text: TextState
     max_total_len: int                 # prompt + output tokens the engine can hold
@@ -156,10 +156,17 @@ class SequenceState:
         """Tokens in the target's KV: everything but the root."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
 
+    @property
+    def position(self) -> int:
+        """The sequence position of the next token (prompt and output counted): what its noise is
+        keyed to, so that a request continued elsewhere with its output so far appended to the
+        prompt (Dynamo's migration re-sends exactly that) draws the same noise from there on."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     def position_noise(self, depth: int) -> np.ndarray:
-        """[V] noise of the output token `depth` places after the last one emitted (depth 0: the
-        next token; the tree node at depth d predicts it)."""
-        return self.noise.at(len(self.output_ids) + depth)
+        """[V] noise of the token `depth` places after the last one emitted (depth 0: the next
+        token; the tree node at depth d predicts it)."""
+        return self.noise.at(self.position + depth)
 
     def draft_room(self) -> int:
         """Most draft tokens a step may carry (max_tokens and the engine's length both bind)."""

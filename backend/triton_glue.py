@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend import triton_io
+from backend import kv_events, triton_io
 from backend.config import (PREFIX_CACHE_MB, DrafterKind, RemoteDraft, RequestError, RuntimeOptions,
                             ServeConfig, SpecConfig)
 from backend.sequence import StepOutput
@@ -326,10 +326,11 @@ class TritonRegistry:
 
 class Service:
     """Decoder + continuous-batching scheduler + metrics behind the `generator` model instance,
-    the one process of a server that holds the engines: token ids in (from `preprocessing`) or
-    text (from the `specdec` relay), per step the new text, cumulative ids and text offsets out. A request with `stop` = true
-    stops the sequence named by `sequence_key`; a request beyond `max_queue_size` requests
-    waiting to start is refused at once (UNAVAILABLE)."""
+    the one process of a server that holds the engines: token ids in (from `preprocessing`, the
+    Dynamo worker) or text (from the `specdec` relay, the OpenAI front), per step the new text,
+    cumulative ids, text offsets and the statistics (the prompt's token count among them) out. A
+    request with `stop` = true stops the sequence named by `sequence_key`; a request beyond
+    `max_queue_size` requests waiting to start is refused at once (UNAVAILABLE)."""
 
     def __init__(self, pb, args: dict):
         from backend.engine import make_decoder
@@ -355,6 +356,10 @@ class Service:
                 d.on_vocab = self.metrics.on_vocab
         self.scheduler = Scheduler(self.decoder, cfg.max_batch, self.metrics)
         self._count = 0
+        self.kv_events = None
+        if os.environ.get(kv_events.ENV):              # a node behind a KV-aware router (scale-out)
+            self.kv_events = kv_events.attach(getattr(self.decoder.target, "prefix_cache", None),
+                                              os.environ[kv_events.ENV])
 
     def handle(self, request) -> None:
         pb = self.pb
@@ -365,7 +370,8 @@ class Service:
                 self.scheduler.stop(stop)
                 request.get_response_sender().send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
-            parsed = triton_io.parse(inputs, triton_io.prompt_ids(inputs, self.decoder.tok), request.request_id())
+            parsed = triton_io.parse(inputs, triton_io.prompt_ids(inputs, self.decoder.tok), request.request_id(),
+                                     context=self.decoder.target.max_seq_len)
             queued = self.scheduler.queued()
             if queued >= self.max_queue:
                 raise Overloaded(f"{queued} requests are waiting to start (max_queue_size "
@@ -375,9 +381,10 @@ class Service:
             return
         self._count += 1
         key = request.request_id() or f"seq-{self._count}"
+        prompt_tokens = len(parsed.request.prompt_ids)
 
         def encode(out, text, whole, ids):
-            arrays = triton_io.generator_outputs(out, ids, text, key)
+            arrays = triton_io.generator_outputs(out, ids, text, key, prompt_tokens)
             if whole:
                 arrays[triton_io.TEXT_START][0] = 0
             return arrays
@@ -388,4 +395,6 @@ class Service:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.registry.close()

@@ -1,15 +1,18 @@
-"""dict[str, ndarray] <-> Request / StepOutput: the Triton tensor names, defined once.
+"""dict[str, ndarray] <-> Request / StepOutput at the Triton boundary: conversion both ways.
 
 Names follow the TensorRT-LLM ensemble (text_input, max_tokens, temperature, top_k, top_p,
 random_seed, stop_words, end_id, stream, num_draft_tokens, text_output), so existing clients
 and genai-perf work unchanged; TensorRT-LLM conventions hold too: top_p = 0 means "off", empty
-stop words mean "none", end_id = -1 means "do not stop at EOS". Ours: min_p, drafter,
+stop words mean "none", end_id = -1 means "do not stop at EOS". Ours (the request schema lists
+them): max_tokens = -1 means "up to the engine's context" (an OpenAI request without max_tokens),
 apply_chat_template (text_input is one user message, or a JSON list of {"role","content"}
-messages), and the per-response statistics outputs.
+messages), the drafter's inputs, more sampling parameters, and the per-response statistics
+outputs, the prompt's token count among them.
 Its public functions are the boundary: tensors in -> `parse` (a Request, converted but not yet
 validated: sequence.validate_request is the one validator, run where the server's limits are
-known) -> tensors out. Knows: names, dtypes, defaults, conversion. Does not know: Triton's
-Python API (no pb_utils).
+known) -> tensors out. The fields themselves (names, datatypes, defaults, which model takes
+which) are the request schema's (backend/request_schema.py); here they are read by datatype.
+Knows: conversion. Does not know: Triton's Python API (no pb_utils).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend import request_schema as schema
 from backend.config import DrafterKind, RequestError, SamplingParams
 from backend.errors import NoChatTemplate
 from backend.sequence import Request, StepOutput
@@ -29,14 +33,11 @@ OUTPUT_IDS = "output_ids"           # ensemble: generator -> postprocessing (cum
 TEXT_START, TEXT_END = "text_start", "text_end"
 SEQUENCE_KEY = "sequence_key"
 STOP = "stop"                       # generator: stop the request with this sequence_key
-STAT_OUTPUTS = ("output_token_count", "total_draft_tokens", "total_accepted_draft_tokens",
-                "acceptance_rate", "mean_accepted_tokens", "finish_reason", "cached_prompt_tokens")
-REQUEST_INPUTS = (TEXT_INPUT, INPUT_IDS, "apply_chat_template", "max_tokens", "temperature", "top_k",
-                  "top_p", "min_p", "random_seed", "stop_words", "end_id", "stream",
-                  "num_draft_tokens", "drafter", STOP, SEQUENCE_KEY)
+STAT_OUTPUTS = schema.stat_outputs()
+REQUEST_INPUTS = tuple(f.name for f in schema.FIELDS)
 UNAVAILABLE = "unavailable"         # the message prefix of an overload error (Overloaded)
 RELAY_KEY_PREFIX = "specdec-relay-"  # request ids of the `specdec` relay's BLS requests
-DEFAULT_MAX_TOKENS = 128
+UP_TO_CONTEXT = -1                  # max_tokens: as many as the engine's context leaves (llama.cpp's n_predict -1)
 NO_CHAT_TEMPLATE = ("this model has no chat template (a base model): send the prompt as plain text "
                     "to continue, with apply_chat_template=false (`specdec generate --raw`)")
 
@@ -123,30 +124,42 @@ def prompt_text(inputs: dict, chat_template_fn) -> str:
     return text
 
 
-def sampling_params(inputs: dict) -> SamplingParams:
-    stops = inputs.get("stop_words")
-    stop_strings = ()
-    if stops is not None:
-        stop_strings = tuple(s for s in (_str(x, "stop_words") for x in np.asarray(stops).reshape(-1)) if s)
+def _strings(inputs, name) -> tuple[str, ...]:
+    arr = inputs.get(name)
+    return () if arr is None else tuple(s for s in (_str(x, name) for x in np.asarray(arr).reshape(-1)) if s)
+
+
+_READ = {"FP32": _float, "INT32": _int, "UINT64": _int, "BOOL": _bool}
+
+
+def _value(inputs: dict, f: schema.Field):
+    if f.is_list:
+        return _strings(inputs, f.name)
+    if f.dtype == "BYTES":
+        v = _one(inputs, f.name)
+        return None if v is None else _str(v, f.name)
+    return _READ[f.dtype](inputs, f.name, None)
+
+
+def sampling_params(inputs: dict, context: int | None = None) -> SamplingParams:
+    """The request's SamplingParams: each schema field that sets one, absent ones at its default;
+    `context`: the engine's length, what max_tokens = -1 asks for."""
+    values = {f.param: v for f in schema.FIELDS if f.param and (v := _value(inputs, f)) is not None}
+    if values.get("top_p") == 0.0:
+        values["top_p"] = 1.0
+    if values.get("max_tokens") == UP_TO_CONTEXT and context is not None:
+        values["max_tokens"] = context
     end_id = _int(inputs, "end_id", None)
-    top_p = _float(inputs, "top_p", 1.0)
-    seed = _int(inputs, "random_seed", None)
-    return SamplingParams(
-        temperature=_float(inputs, "temperature", 0.0),
-        top_k=_int(inputs, "top_k", 0),
-        top_p=1.0 if top_p == 0.0 else top_p,
-        min_p=_float(inputs, "min_p", 0.0),
-        seed=seed,
-        max_tokens=_int(inputs, "max_tokens", DEFAULT_MAX_TOKENS),
-        stop_token_ids=(end_id,) if end_id is not None and end_id >= 0 else (),
-        stop_strings=stop_strings,
-        ignore_eos=end_id is not None,   # an explicit end_id replaces the model's EOS ids
-    )
+    if end_id is not None:
+        values["stop_token_ids"] = (end_id,) if end_id >= 0 else ()
+        values["ignore_eos"] = True        # an explicit end_id replaces the model's EOS ids
+    return SamplingParams(**values)
 
 
-def parse(inputs: dict, prompt_ids, request_id: str = "") -> Parsed:
-    """Full request from tensors; prompt_ids: the tokenized prompt (from text or input_ids).
-    Refuses values of the wrong kind; whether the values can be served is validate_request's."""
+def parse(inputs: dict, prompt_ids, request_id: str = "", context: int | None = None) -> Parsed:
+    """Full request from tensors; prompt_ids: the tokenized prompt (from text or input_ids);
+    context: the engine's length (None: not known here, and max_tokens = -1 is refused). Refuses
+    values of the wrong kind; whether the values can be served is validate_request's."""
     drafter = _one(inputs, "drafter")
     kind = DrafterKind.AUTO
     if drafter is not None:
@@ -157,7 +170,7 @@ def parse(inputs: dict, prompt_ids, request_id: str = "") -> Parsed:
             raise RequestError("drafter", f"unknown drafter {name!r}; one of "
                                           f"{[k.value for k in DrafterKind]}") from None
     k = _int(inputs, "num_draft_tokens", None)
-    req = Request(tuple(int(t) for t in prompt_ids), sampling_params(inputs), kind, k, request_id)
+    req = Request(tuple(int(t) for t in prompt_ids), sampling_params(inputs, context), kind, k, request_id)
     first = next(iter(inputs.values()))
     return Parsed(req, _bool(inputs, "stream", False), np.asarray(first).ndim >= 2)
 
@@ -200,7 +213,7 @@ def relay_outputs(out: dict) -> dict[str, np.ndarray]:
     return {k: np.asarray(out[k]).reshape(1) for k in (TEXT_OUTPUT, *STAT_OUTPUTS)}
 
 
-def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
+def stats_outputs(out: StepOutput, prompt_tokens: int) -> dict[str, np.ndarray]:
     st = out.stats
     return {
         "output_token_count": np.array([out.num_output_tokens], np.int32),
@@ -210,17 +223,20 @@ def stats_outputs(out: StepOutput) -> dict[str, np.ndarray]:
         "mean_accepted_tokens": np.array([st.mean_accepted_tokens], np.float32),
         "finish_reason": np.array([(out.finish_reason or "").encode()], np.object_),
         "cached_prompt_tokens": np.array([out.cached_prompt_tokens], np.int32),
+        "prompt_token_count": np.array([prompt_tokens], np.int32),
     }
 
 
-def generator_outputs(out: StepOutput, output_ids: list[int], text: str, key: str) -> dict[str, np.ndarray]:
+def generator_outputs(out: StepOutput, output_ids: list[int], text: str, key: str,
+                      prompt_tokens: int) -> dict[str, np.ndarray]:
     """One generator response: cumulative ids and the character range of the new text (for
-    clients of ids), the new text itself, the sequence key and the statistics."""
+    clients of ids), the new text itself, the sequence key and the statistics (the prompt's
+    token count among them, so a client that sent text needs no tokenizer to report usage)."""
     return {OUTPUT_IDS: np.asarray(output_ids, np.int32).reshape(-1),
             TEXT_START: np.array([out.text_start], np.int32),
             TEXT_END: np.array([out.text_end], np.int32),
             TEXT_OUTPUT: np.array([text.encode("utf-8")], np.object_),
-            SEQUENCE_KEY: np.array([key.encode()], np.object_), **stats_outputs(out)}
+            SEQUENCE_KEY: np.array([key.encode()], np.object_), **stats_outputs(out, prompt_tokens)}
 
 
 def prompt_ids(inputs: dict, tokenizer) -> list[int]:

@@ -23,13 +23,13 @@ import time
 
 import numpy as np
 
-from backend import triton_glue, triton_io
+from backend import request_schema, triton_glue, triton_io
 
 log = logging.getLogger("specdec.relay")
 
-GENERATOR = "generator"
-FORWARDED = (triton_io.TEXT_INPUT, "apply_chat_template", "max_tokens", "temperature", "top_k", "top_p",
-             "min_p", "random_seed", "stop_words", "end_id", "num_draft_tokens", "drafter")
+GENERATOR = request_schema.GENERATOR
+# every input of `specdec` but `stream` (the relay always streams from the generator)
+FORWARDED = tuple(f.name for f in request_schema.inputs_of(request_schema.SPECDEC) if f.name != "stream")
 
 
 class TextRelay:

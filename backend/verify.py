@@ -10,8 +10,9 @@ Vocabulary (used the same way everywhere in specdec):
   recovered token  the target's token where the path was rejected (no child matched it).
   bonus token      the target's token after the last node of a fully accepted path.
   num_accepted     accepted draft tokens; emitted tokens per step = num_accepted + 1.
-  position         a node at depth d predicts the request's output token number
-                   len(output_ids) + d; its noise is that position's (sampling.PositionNoise).
+  position         a node at depth d predicts the token at sequence position
+                   len(prompt_ids) + len(output_ids) + d; its noise is that position's
+                   (sampling.PositionNoise).
 
 The rule: at a node of depth d the target's token is y = argmax(p / E) with p the target's
 warped distribution after the node's path and E the noise of the node's position, exactly what

@@ -12,6 +12,9 @@ With `--openai-b HOST:PORT` a second front (another build of the front, e.g. a c
 each run by its own process against the same Triton) joins the rotation as a third door, and the
 JSON adds `b_over_a`: the A/B of the two fronts measured alternated in one run.
 
+With `--triton-model generator` Triton's door is the model the front itself calls (what the front
+alone costs); the default, `specdec`, is the model Triton's clients call (a relay to `generator`).
+
 With `--grpc HOST:PORT` Triton's own gRPC stream (tritonclient, one client and stream for the
 run) joins too (`triton_grpc` against `triton`: what Triton's gRPC door costs against its HTTP
 door; the front itself reads the HTTP door, perf-notes §27b). `--openai-b` naming the same front
@@ -114,7 +117,7 @@ def _order(doors: tuple[str, ...], k: int) -> tuple[str, ...]:
 
 
 def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_tokens: int,
-        openai_b: str | None = None, grpc: str | None = None) -> dict:
+        openai_b: str | None = None, grpc: str | None = None, triton_model: str = "specdec") -> dict:
     fronts = {"openai": openai, **({"openai_b": openai_b} if openai_b else {})}
     rows = {"triton": [], **{d: [] for d in fronts}, **({"triton_grpc": []} if grpc else {})}
     grpc_door = _GrpcDoor(grpc) if grpc else None
@@ -126,7 +129,7 @@ def run(triton: str, openai: str, prompts: list[list[dict]], reps: int, max_toke
                 if door == "triton":
                     body = {"text_input": json.dumps(messages), "apply_chat_template": True, "stream": True,
                             "max_tokens": max_tokens, "temperature": 0.0, "end_id": -1}
-                    got[door] = _stream(triton, "/v2/models/specdec/generate_stream", body)
+                    got[door] = _stream(triton, f"/v2/models/{triton_model}/generate_stream", body)
                 elif door == "triton_grpc":
                     got[door] = grpc_door({"text_input": json.dumps(messages), "apply_chat_template": True,
                                            "stream": True, "max_tokens": max_tokens, "temperature": 0.0,
@@ -165,14 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--openai", default="127.0.0.1:8080", help="the OpenAI front's host:port")
     ap.add_argument("--openai-b", default=None, help="a second front's host:port, alternated with the first")
     ap.add_argument("--grpc", default=None, help="Triton's gRPC host:port: its gRPC stream as one more door")
+    ap.add_argument("--triton-model", default="specdec", choices=["specdec", "generator"],
+                    help="the Triton model of Triton's HTTP door (generator: the one the front calls)")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "public.jsonl"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     prompts = [json.loads(line)["messages"] for line in Path(a.prompts).read_text().splitlines() if line.strip()]
-    result = run(a.triton, a.openai, prompts, a.reps, a.max_tokens, a.openai_b, a.grpc)
-    result["config"] = {"reps": a.reps, "max_tokens": a.max_tokens, "prompts": a.prompts, "openai_b": a.openai_b, "grpc": a.grpc}
+    result = run(a.triton, a.openai, prompts, a.reps, a.max_tokens, a.openai_b, a.grpc, a.triton_model)
+    result["config"] = {"reps": a.reps, "max_tokens": a.max_tokens, "prompts": a.prompts, "openai_b": a.openai_b,
+                        "grpc": a.grpc, "triton_model": a.triton_model}
     print(json.dumps(result, indent=2))
     if a.json:
         write_result(a.json, result)

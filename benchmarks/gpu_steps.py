@@ -1,12 +1,12 @@
 """The correctness steps of the GPU check (benchmarks/gpu_check.py runs them, each one a step
 of the summary; the timing steps are benchmarks/gpu_timing.py), on random weights of real
-shapes. Every function takes the device, so the dry run (`gpu_check.sh --dry-run`) runs the same
-code on the CPU with the small shapes of `Plan.dry()`: the logits, invariance and graph steps
-with the kernels in Triton's interpreter and the model in its invariant mode (the GPU's default:
-linears, LM head and norms by the fixed-tile kernels), so they read exactly 0 where the kernels
-are batch invariant; CUDA graphs through the runtime's CPU stand-in (step_graph.EagerGraph: a
-capture runs the step on the static buffers, a replay runs it again into the captured outputs),
-so everything up to the device calls executes.
+shapes. Every function takes the device and builds the GPU's runtime (`runtime`: attention,
+verification, linears, norms and the fused step by the Triton kernels, decode-sized steps by
+captured graphs), so the dry run (`gpu_check.sh --dry-run`) runs the GPU's code on the CPU with
+the small shapes of `Plan.dry()`: the kernels in Triton's interpreter, CUDA graphs by the
+runtime's CPU stand-in (step_graph.EagerGraph: a capture runs the step on the static buffers, a
+replay runs it again into the captured outputs); benchmarks/gpu_count.py counts which kernels
+ran, and the check holds every step to the GPU branches it must reach (gpu_check.REQUIRED).
 Two runs compared by a step see the same prompts and the same tokens: a difference is the
 kernels', never the inputs'.
 """
@@ -29,9 +29,12 @@ SHAPES = {   # the real run's shapes: the embedded model's and Llama-3-8B's
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, True),
     "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, False),
 }
-TINY = {     # the dry run's stand-ins (block128 needs K >= 128)
-    "smollm2-135m": ModelConfig("llama", 512, 128, 256, 2, 4, 2, 32, 1e-5, 10000.0, 1024, True),
-    "llama3-8b": ModelConfig("llama", 640, 256, 512, 2, 4, 2, 64, 1e-5, 10000.0, 1024, False),
+TINY = {     # the dry run's stand-ins, as small as covers the code: the interpreter's time goes with
+             # the programs a step launches (its columns and tokens). block128 needs K >= 128; the
+             # 8B one's down linear splits K (intermediate 1024, kernels.linear_plan) as the real
+             # shapes' do, in one layer
+    "smollm2-135m": ModelConfig("llama", 256, 64, 128, 2, 2, 1, 32, 1e-5, 10000.0, 1024, True),
+    "llama3-8b": ModelConfig("llama", 256, 128, 1024, 1, 2, 1, 64, 1e-5, 10000.0, 1024, False),
 }
 
 
@@ -42,18 +45,20 @@ class Plan:
     context: int            # committed tokens before timing
     widths: tuple           # tree nodes per row
     batches: tuple
-    reps: int
+    reps: int               # timed forwards per point
+    decode_reps: int        # per decode point (fp8_decode)
+    warmup: int             # untimed forwards before them
     prompt: int             # the logits check's prompt
     chain: int              # the invariance check's verified chain
     copy_mib: int           # the bandwidth step's copy
 
     @classmethod
     def real(cls) -> "Plan":
-        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 200, 16, 2048)
+        return cls("cuda", SHAPES, 512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 32), 10, 30, 2, 200, 16, 2048)
 
     @classmethod
     def dry(cls) -> "Plan":
-        return cls("cpu", TINY, 24, (1, 2, 16), (1, 2), 2, 12, 4, 64)
+        return cls("cpu", TINY, 4, (1, 2, 4), (1, 2), 1, 1, 0, 6, 4, 64)
 
 
 def sync(device: str) -> None:
@@ -89,16 +94,19 @@ def random_tensors(cfg: ModelConfig, fmt: str, device: str, recipe: fp8.Recipe |
     return t
 
 
-def runtime(cfg, tensors, device, max_seq_len=1024, slots=33, dtype=None, graphs=True, recipe=None,
-            kernels: bool | None = None, invariant: bool | None = None) -> TorchRuntime:
-    """kernels: attention by the Triton kernels (on a CPU: the interpreter); invariant: linears,
-    LM head and norms by the fixed-tile kernels (False: torch's, cuBLAS on a GPU); default for
-    both: on a GPU."""
+def runtime(cfg, tensors, device, max_seq_len=1024, slots=33, dtype=torch.bfloat16, graphs=True, recipe=None,
+            kernels: bool = True, invariant: bool = True) -> TorchRuntime:
+    """The GPU's runtime on `device` (its defaults there): attention and verification by the
+    Triton kernels (`kernels`), linears, LM head and norms by the fixed-tile and fused kernels
+    (`invariant`), decode-sized steps by captured graphs (`graphs`), bf16. On a CPU the same
+    code: the kernels in Triton's interpreter, graphs by step_graph.EagerGraph. False: the
+    fallbacks (the CPU reference of the logits step: numpy attention and verification, torch's
+    linears; invariant False on a GPU: cuBLAS)."""
     rt = TorchRuntime(None, cfg, cfg.num_layers, max_seq_len, RuntimeOptions(max_sequences=slots, cuda_graphs=graphs),
                       device, tensors=tensors, dtype=dtype, fp8_recipe=recipe)
-    rt.kernels = device == "cuda" if kernels is None else kernels
-    if invariant is not None:
-        rt.model.invariant = invariant
+    rt.kernels = rt.device_verify = kernels
+    rt.model.invariant = invariant
+    rt.use_graphs = graphs
     return rt
 
 
@@ -135,33 +143,47 @@ def logits(plan: Plan) -> dict:
         prefill(rt, [0], prompt)
         return rt.forward([0], toks, tree, np.arange(tree.shape[1])[None]).logits[0].copy()
 
-    ref = run(runtime(cfg, cpu_t, "cpu", slots=2, graphs=False, kernels=False, invariant=False))
+    ref = run(runtime(cfg, cpu_t, "cpu", slots=2, dtype=torch.float32, graphs=False, kernels=False, invariant=False))
     dev_t = {k: v.to(plan.device) for k, v in cpu_t.items()}
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        got = run(runtime(cfg, dev_t, plan.device, slots=2, dtype=dtype, graphs=False, kernels=True))
+        got = run(runtime(cfg, dev_t, plan.device, slots=2, dtype=dtype, graphs=False))
         out[name] = {"max_rel_logit_diff": float(np.abs(got - ref).max() / np.abs(ref).max()),
                      "top1_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
     return out
 
 
+BATCH = 4      # the invariance step's batch of identical rows
+
+
 def invariance(plan: Plan) -> dict:
-    """bf16, invariant mode: slots 1 and 2 prefilled with the same prompt; slot 1 then takes
-    `plan.chain` single steps, slot 2 one verify of the same tokens as a chain. Every logit of
-    the verify is the bits of its single step (max |diff| 0) where the kernels are invariant."""
+    """bf16, the GPU's fused step, eager: every slot prefilled with the same prompt; slot 0 takes
+    `plan.chain` single steps, then the same tokens are verified as a chain by slot 1 alone (the
+    full width), by slots 2.. as a batch of BATCH identical rows, and by the last slot at half the
+    width. Every logit of a verify is the bits of its single step (max |diff| 0 for each) where
+    the step is invariant across batch and verify widths."""
     cfg = plan.shapes["smollm2-135m"]
     dev_t = {k: v.to(plan.device) for k, v in random_tensors(cfg, "fp32", "cpu").items()}
-    rt = runtime(cfg, dev_t, plan.device, slots=4, dtype=torch.bfloat16, graphs=False, kernels=True, invariant=True)
-    prefill(rt, [1, 2], prompt_ids(cfg, plan.prompt, 1))
-    chain_toks = prompt_ids(cfg, plan.chain, 3)
+    rt = runtime(cfg, dev_t, plan.device, slots=BATCH + 3, graphs=False)
+    batch, half = list(range(2, 2 + BATCH)), 2 + BATCH
+    prefill(rt, [0, 1, *batch, half], prompt_ids(cfg, plan.prompt, 1))
+    toks, n = prompt_ids(cfg, plan.chain, 3), plan.chain
     single = []
-    for tok in chain_toks:
-        single.append(rt.forward([1], np.array([[tok]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0].copy())
-        rt.commit([1], [np.array([0])])
-    verify = rt.forward([2], chain_toks[None], chain(plan.chain), np.arange(plan.chain)[None]).logits[0]
+    for tok in toks:
+        single.append(rt.forward([0], np.array([[tok]]), chain(1), np.zeros((1, 1), np.int64)).logits[0, 0].copy())
+        rt.commit([0], [np.array([0])])
+    single = np.stack(single)
+    verify = lambda sids, w: rt.forward(sids, np.broadcast_to(toks[:w], (len(sids), w)).copy(),
+                                        np.broadcast_to(chain(w), (len(sids), w)).copy(),
+                                        np.broadcast_to(np.arange(w), (len(sids), w)).copy()).logits
+    got = {f"verify_{n}": verify([1], n), f"batch_{BATCH}_verify_{n}": verify(batch, n),
+           f"verify_{n // 2}": verify([half], n // 2)}
     rt.close()
-    return {"nodes": plan.chain, "max_abs_logit_diff": float(np.abs(verify - np.stack(single)).max()),
-            "greedy_identical": bool(np.array_equal(verify.argmax(-1), np.stack(single).argmax(-1)))}
+    diffs = {k: float(max(np.abs(v[r] - single[: v.shape[1]]).max() for r in range(v.shape[0])))
+             for k, v in got.items()}
+    same = all(np.array_equal(v[r].argmax(-1), single[: v.shape[1]].argmax(-1)) for v in got.values()
+               for r in range(v.shape[0]))
+    return {"nodes": n, "max_abs_logit_diff": max(diffs.values()), "by_comparison": diffs, "greedy_identical": same}
 
 
 def graphs(plan: Plan) -> dict:
@@ -186,8 +208,7 @@ def graphs(plan: Plan) -> dict:
     trees = [TokenTree.from_parents(np.array([-1, 0, 0, 1, 1, 2], np.int32)), TokenTree.chain(3), TokenTree.chain(0)]
     outs, verdicts, counts = [], [], {}
     for use in (False, True):
-        rt = runtime(cfg, t, plan.device, slots=4, graphs=use, kernels=True, invariant=True)
-        rt.use_graphs = use                 # on the dry run's CPU too (step_graph.EagerGraph)
+        rt = runtime(cfg, t, plan.device, slots=4, graphs=use)      # on the dry run's CPU: EagerGraph
         prefill(rt, [0, 1, 2], prompts)
         rng = np.random.default_rng(6)
         got = [rt.forward([0, 1, 2], rng.integers(3, cfg.vocab_size, (3, 4)), parents,
@@ -221,12 +242,14 @@ def fp8_hardware(plan: Plan) -> dict:
     return {r.name: probe_scaled_mm(torch.device(plan.device), r) for r in fp8.RECIPES}
 
 
-def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int, k: int = 4) -> dict:
+def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int, k: int = 4,
+               gpu_path: bool = False) -> dict:
     """`specdec bench --drafter prompt-lookup --num-draft-tokens k` on a built model repository,
     after one unmeasured pass of the same prompts in every mode (plain and speculative: every
     prompt's kernels compiled and graphs captured before the clock runs; prompt lookup keeps no
     state between requests, so the pass flatters neither mode). The result as the bench writes
-    it (`out_json`), with the warm-up pass's tokens/s, TPOT and first token beside."""
+    it (`out_json`), with the warm-up pass's tokens/s, TPOT and first token beside.
+    `gpu_path` (the dry run's CPU): the target runtime as a GPU runs it (gpu_path())."""
     from pathlib import Path
 
     from backend.bench import spec_bench as sb
@@ -238,6 +261,9 @@ def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int,
     prompts = load_prompts(default_prompts())[:limit]
     spec = SpecConfig(num_draft_tokens=k, prompt_lookup_width=1)        # the CLI's defaults
     dec = make_decoder(ServeConfig(engine_dir=str(Path(repo) / ENGINE_SUBDIR), spec=spec))
+    if gpu_path:        # the shortest prompt: the interpreter's prefill grows with its square
+        set_gpu_path(dec.target)
+        prompts = [min(load_prompts(default_prompts()), key=lambda p: len(json.dumps(p["messages"])))]
     warm = sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, log=lambda *a: None)
     sb.run(dec, prompts, DrafterKind.PROMPT_LOOKUP, max_new_tokens, num_draft_tokens=k, out_json=Path(out_json))
     result = json.loads(Path(out_json).read_text())
@@ -245,3 +271,20 @@ def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int,
                              for m in ("plain", "spec")}
     Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def set_gpu_path(rt: TorchRuntime) -> None:
+    """A runtime a serving build made for this CPU, switched to what the same build makes on a
+    GPU (attention, verification, linears, norms and the fused step by the Triton kernels, in
+    the interpreter here; graphs by EagerGraph). The dry run's only: a CPU serves the other way
+    because the interpreter is slow, not because the results differ."""
+    rt.kernels = rt.device_verify = True
+    rt.model.invariant = True
+    rt.use_graphs = True
+
+
+if __name__ == "__main__":        # the spec bench's subprocess (gpu_check.Run.spec_bench)
+    import sys
+
+    repo, out_json, limit, new, gpu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    spec_bench(repo, out_json, limit or None, new, gpu_path=gpu == ["--gpu-path"])

@@ -5,8 +5,11 @@ holds it, plus the KV cache read: each row's committed context and its tree), th
 makes, and the fraction of this device's copy bandwidth (`bandwidth`: a device-to-device copy
 measured in the same run, read + write bytes); the launches of one step (torch profiler:
 device kernels and host launch calls; on a CPU there are none to count: null and why); and
-`floor_ms`, the step's time at the measured bandwidth (the roofline line of the summary).
-The dry run times the same code on the CPU with small shapes (values not judged).
+`floor_ms`, the step's time at the measured bandwidth (the roofline line of the summary); and
+`by_name`, the launches of one step by kernel name (benchmarks/gpu_count.py: the Python-side
+launches, a captured graph's replay counted as one `graph_replay`).
+The runtime is the GPU's (gpu_steps.runtime): the dry run times the same code on the CPU with
+small shapes, the kernels in Triton's interpreter (values not judged).
 """
 from __future__ import annotations
 
@@ -86,23 +89,27 @@ def speed(seconds: float, nbytes: int, bw: dict | None) -> dict:
 
 
 def launches(step, device: str) -> dict:
-    """Run `step` once under the torch profiler: its device kernels (copies apart) and the
-    host's launch calls; on a CPU, null with the reason (the torch ops it saw, for the record)."""
+    """Run `step` once under the torch profiler and gpu_count.Count: its device kernels (copies
+    apart), the host's launch calls, and the launches by name; on a CPU the device counts are
+    null with the reason (the torch ops the profiler saw, for the record)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from gpu_count import Count
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof, Count() as count:
         step()
         sync(device)
     ev = prof.events()
+    by_name = dict(sorted(count.counts.items()))
     if device != "cuda":
         ops = sum(1 for e in ev if e.cpu_parent is None and e.name.startswith("aten::"))
-        return {"kernels": None,
+        return {"kernels": None, "by_name": by_name,
                 "why": f"a CPU launches no device kernels (the profiler saw {ops} top-level torch ops)"}
     dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = sum(1 for e in dev if e.name.startswith(("Memcpy", "Memset")))
     return {"kernels": len(dev) - copies, "copies": copies,
-            "host_launch_calls": sum(1 for e in ev if e.name in HOST_LAUNCHES)}
+            "host_launch_calls": sum(1 for e in ev if e.name in HOST_LAUNCHES), "by_name": by_name}
 
 
 def _step(rt, b: int, t: int, first_id: int, rng):
@@ -116,23 +123,23 @@ def _step(rt, b: int, t: int, first_id: int, rng):
     return step
 
 
-def time_forward(rt, device: str, b: int, t: int, reps: int, first_id: int) -> float:
-    """The median seconds of a forward of b rows x t nodes (2 warm-up steps first)."""
+def time_forward(rt, device: str, b: int, t: int, reps: int, first_id: int, warmup: int = 2) -> float:
+    """The median seconds of a forward of b rows x t nodes (`warmup` untimed steps first)."""
     step = _step(rt, b, t, first_id, np.random.default_rng(t))
     times = []
-    for i in range(reps + 2):
+    for i in range(reps + warmup):
         sync(device)
         t0 = time.perf_counter()
         step()
         sync(device)
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def measure(rt, plan: Plan, b: int, t: int, reps: int, first_id: int, bw: dict | None, count: bool) -> dict:
     """One (b, t) point: time_forward's seconds as `speed`, and its launches where `count`."""
-    s = time_forward(rt, plan.device, b, t, reps, first_id)
+    s = time_forward(rt, plan.device, b, t, reps, first_id, plan.warmup)
     row = speed(s, weight_bytes(rt) + kv_bytes(rt, b, t, plan.context), bw)
     if count:
         row["launches"] = launches(_step(rt, b, t, first_id, np.random.default_rng(0)), plan.device)
@@ -158,9 +165,9 @@ def cost_curve(plan: Plan, name: str, fmt: str = "bf16", batches=None, recipe=No
     return out
 
 
-def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invariant: bool | None = None,
+def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invariant: bool = True,
                  bw=None, log=print, w8a8_max: int | None = None) -> dict:
-    """Plain decode (batch 1 and 8) on the 8B shape: tokens/s and each batch's `speed`; FP8 by
+    """Plain decode (batch 1 and 8; the dry run's 1 and 2) on the 8B shape: tokens/s and each batch's `speed`; FP8 by
     `recipe`, with whether torch._scaled_mm runs it here (else emulated). invariant False: the
     linears by torch (cuBLAS on a GPU), the row beside the Triton linear (the GPU's default).
     `w8a8_max`: also the build's W8A8-vs-W8A16 measurement by width up to it
@@ -172,11 +179,11 @@ def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invaria
                  invariant=invariant)
     out = {"hardware_fp8": rt.model.hw_fp8, "triton_linear": rt.model.invariant}
     if w8a8_max is not None and recipe is not None:
-        out["w8a8_width"] = w8a8.measure(rt.model, w8a8_max, reps=3)
+        out["w8a8_width"] = w8a8.measure(rt.model, w8a8_max, reps=max(1, plan.reps // 3))
         log(f"8B-shape W8A8 vs W8A16 by width ({recipe.label}): {out['w8a8_width']}")
-    for b in (1, 8):
+    for b in plan.batches[:2]:
         prefill(rt, list(range(b)), prompt_ids(cfg, plan.context, b))
-        row = measure(rt, plan, b, 1, plan.reps * 3, 0, bw, True)
+        row = measure(rt, plan, b, 1, plan.decode_reps, 0, bw, True)
         out[f"b{b}_tokens_per_s"] = round(1000 * b / row["ms"], 1)
         out[f"b{b}"] = row
         for i in range(b):
@@ -187,7 +194,7 @@ def decode_speed(plan: Plan, fmt: str, recipe: fp8.Recipe | None = None, invaria
         torch.cuda.empty_cache()
     log(f"8B-shape decode {recipe.label if recipe else fmt}{'' if out['triton_linear'] else ' (torch linears)'}: "
         f"b1 {out['b1_tokens_per_s']} tok/s ({out['b1'].get('of_bandwidth', '-')} of bandwidth), "
-        f"b8 {out['b8_tokens_per_s']} tok/s")
+        f"b{plan.batches[1]} {out[f'b{plan.batches[1]}_tokens_per_s']} tok/s")
     return out
 
 

@@ -262,7 +262,10 @@ def loadavg() -> list[float] | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--prompts", required=True, help="JSON lines file")
+    ap.add_argument("--prompts", help="JSON lines file")
+    ap.add_argument("--ids-json", default=None,
+                    help="instead of --prompts: a JSON list of {\"id\", \"kind\", \"token_ids\"} fed as they are "
+                         "(benchmarks/vs_llamacpp_scale.py: both engines get the same ids)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-batch", type=int, default=512)
@@ -281,12 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-new-tokens must be >= 1")
 
     _install_logger(args.verbose)
+    if (args.prompts is None) == (args.ids_json is None):
+        ap.error("give --prompts or --ids-json")
     prompts = []
-    with open(args.prompts, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                prompts.append(json.loads(line))
+    if args.ids_json:
+        with open(args.ids_json, encoding="utf-8") as f:
+            prompts = json.load(f)
+    else:
+        with open(args.prompts, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    prompts.append(json.loads(line))
     if not prompts:
         print("no prompts", file=sys.stderr)
         return 2
@@ -312,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
 
     items = []
     for p in prompts:
+        if "token_ids" in p:
+            items.append({"id": p.get("id"), "kind": p.get("kind"), "prompt_text": None,
+                          "tokens": [int(x) for x in p["token_ids"]]})
+            continue
         if template:
             text = render_chat(template, p["messages"], bos_tok, eos_tok)
             toks = tokenize(vocab, text)
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "started_at": _dt.datetime.now().isoformat(timespec="seconds"),
         "loadavg_start": loadavg(),
-        "prompts_file": os.path.abspath(args.prompts),
+        "prompts_file": os.path.abspath(args.prompts or args.ids_json),
         "n_prompts": len(items),
     }
     print(f"[peer] llama-cpp-python {meta['llama_cpp_python_version']}  model={meta['model_desc']}"
@@ -400,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                            "prompt_token_ids": it["tokens"]})
     perf = llama_cpp.llama_perf_context(ctx)
     meta["loadavg_end"] = loadavg()
+    import resource
+    meta["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024    # weights mmapped
 
     tot_dec_tokens = sum(r["decode_steps"] for r in per_prompt)
     tot_dec_s = sum(r["decode_ms"] for r in per_prompt) / 1e3

@@ -1,6 +1,7 @@
 """Every bench JSON says where it came from (issue 43, point 4): date, machine, commit and the
 exact command, written by the bench itself (backend/bench/provenance.py)."""
 import datetime
+import hashlib
 import json
 import os
 import shlex
@@ -18,7 +19,11 @@ def _git(*args: str) -> str:
 
 
 def _commit() -> dict:
-    return {"hash": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    out = {"hash": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    if out["dirty"]:
+        diff = subprocess.run(["git", "-C", str(ROOT), "diff", "--binary", "HEAD"], capture_output=True, check=True).stdout
+        out["diff_sha256"] = hashlib.sha256(diff).hexdigest()
+    return out
 
 
 def test_provenance_records_date_machine_commit_and_command(monkeypatch):
@@ -98,3 +103,27 @@ def test_a_bench_run_from_its_command_line_writes_its_provenance(tmp_path):
     assert p["command"] == shlex.join(argv) and "'" in p["command"]
     assert p["machine"]["threads"] is None                  # a correctness check runs on no engine threads
     assert p["commit"]["hash"] in (before, _git("rev-parse", "--short", "HEAD"))
+
+
+def test_a_dirty_tree_records_the_diffs_hash(tmp_path, monkeypatch):
+    """Issue 50: a result measured on uncommitted changes names them by the hash of `git diff
+    HEAD`; another change gives another hash, a clean tree none."""
+    from backend.bench import provenance as prov
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    def git(*a):
+        subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(prov, "REPO", repo.resolve())
+    clean = prov._commit()
+    assert clean["dirty"] is False and "diff_sha256" not in clean
+    (repo / "f.py").write_text("a = 2\n")
+    one = prov._commit()
+    diff = subprocess.run(["git", "-C", str(repo), "diff", "--binary", "HEAD"], capture_output=True).stdout
+    assert one["dirty"] is True and one["diff_sha256"] == hashlib.sha256(diff).hexdigest()
+    (repo / "f.py").write_text("a = 3\n")
+    assert prov._commit()["diff_sha256"] != one["diff_sha256"]

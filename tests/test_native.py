@@ -339,3 +339,20 @@ def test_a_library_built_from_other_sources_is_refused_at_load():
         native.check_abi(lib, path, corrupted)
     with pytest.raises(native.NativeABIError, match="predates the ABI check"):
         native.check_abi(object(), path)                             # a stale build: no sd_abi
+
+
+def test_two_builds_of_the_kernel_alternate_in_one_process(tiny):
+    """`specdec bench-engine --builds`: the same library under two names (an A/A control) runs
+    alternately on the same tokens with the same bits; a missing library is refused by name."""
+    from backend.bench import engine_bench
+    from backend.errors import UserError
+
+    m, _, _ = tiny
+    path = native.library()._name
+    r = engine_bench.ab_builds(m, {"a": path, "b": path}, ["default", "avx512"], reps=1, out_json=None,
+                               tokens=(1, 3), context=20)
+    assert r["logits_bitwise_equal_to_first"] and set(r["median_ms"]) == {"a/default", "a/avx512", "b/default", "b/avx512"}
+    assert native.library()._name == path
+    with pytest.raises(UserError, match="no-such.so: no such file"):
+        with native.build_at("/nonexistent/no-such.so"):
+            pass

@@ -14,10 +14,9 @@ import urllib.request
 
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR
 from backend.serve import client as spclient
 from backend.serve.launcher import TritonServer, free_port
-from backend.serve.openai_api import OpenAIServer, front_for
+from backend.serve.openai_api import Front, OpenAIServer
 from conftest import http_post
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,7 @@ def server(built_repo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(server, built_repo):
-    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, server.http_url), free_port()).start()
+    oa = OpenAIServer(Front(server.http_url), free_port()).start()
     yield oa
     oa.stop()
 
@@ -155,7 +154,7 @@ def test_refusal_through_the_openai_client(client):
 
 
 def test_unreachable_triton_is_503_with_retry_after(built_repo):
-    oa = OpenAIServer(front_for(built_repo / ENGINE_SUBDIR, f"127.0.0.1:{free_port()}"), free_port()).start()
+    oa = OpenAIServer(Front(f"127.0.0.1:{free_port()}"), free_port()).start()
     try:
         req = urllib.request.Request(f"{oa.url}/chat/completions", data=json.dumps(
             {"model": "specdec", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode(),
@@ -176,7 +175,7 @@ def full(built_repo, tmp_path_factory):
 
     repo = repo_with(built_repo, tmp_path_factory.mktemp("full") / "repo", max_active_batch=1, max_queue_size=1)
     srv = TritonServer(repo, log_file=repo.parent / "server.log").start()
-    oa = OpenAIServer(front_for(repo / ENGINE_SUBDIR, srv.http_url), free_port()).start()
+    oa = OpenAIServer(Front(srv.http_url), free_port()).start()
     yield srv, oa
     oa.stop()
     assert srv.stop() == 0          # the refused streams left no relay thread behind (perf-notes §27)

@@ -17,7 +17,7 @@ from backend.serve.openai_triton import TritonFailure, TritonHTTP
 
 pytest.importorskip("aiohttp")
 STATS = {"output_token_count": 3, "total_draft_tokens": 4, "total_accepted_draft_tokens": 2,
-         "acceptance_rate": 0.5, "mean_accepted_tokens": 1.5, "cached_prompt_tokens": 0}
+         "acceptance_rate": 0.5, "mean_accepted_tokens": 1.5, "cached_prompt_tokens": 0, "prompt_token_count": 7}
 
 
 def event(text: bytes, finish: str = "") -> bytes:

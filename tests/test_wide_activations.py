@@ -49,6 +49,18 @@ def _cfg(vocab):
                            intermediate_size=256, vocab_size=vocab)
 
 
+def test_a_large_engine_probes_a_sample_of_the_positions():
+    n = wide_choice.PROBE_TOKENS
+    prompts = [list(range(n + 50))] * wide_choice.PROBE_PROMPTS
+    assert wide_choice.probe_positions(None) is None and wide_choice.probe_positions(wide_choice.SAMPLE_BYTES) is None
+    at_8b = wide_choice.probe_positions(4_900_000_000)              # an 8B's Q4_K_M
+    assert wide_choice.MIN_POSITIONS < at_8b < wide_choice.PROBE_PROMPTS * n
+    assert wide_choice.probe_positions(10 ** 12) == wide_choice.MIN_POSITIONS
+    rt = _PlantedEngine({"qkv": 1 / n}, _cfg(4096))
+    _, report = wide_choice.choose(rt, prompts, lambda *a: None, positions=at_8b)
+    assert report["positions"] == at_8b and report["prompts"] == -(-at_8b // n)
+
+
 def test_the_search_keeps_narrow_every_family_the_bar_allows_largest_first():
     n = wide_choice.PROBE_TOKENS
     prompts = [list(range(n + 50))] * 2                                      # cut to PROBE_TOKENS each
@@ -72,16 +84,26 @@ def test_the_default_keeps_int8_where_the_fidelity_choice_costs_more_than_3_perc
     n = wide_choice.PROBE_TOKENS
     prompts = [list(range(n + 50))] * 2
     lose = {"qkv": 8 / n, "lm_head": 1 / n, "gate_up": 1 / n, "down": 0.0, "o": 0.0}
-    for cost, expect in ((0.031, ()), (0.03, ("qkv", "gate_up")), (-0.01, ("qkv", "gate_up"))):
+    # the cheapest family alone ("o": the fewest dot products of _cfg's) is priced first; the
+    # fidelity choice where that one is affordable
+    for costs, expect in (((0.0, 0.031), ()), ((0.03, 0.03), ("qkv", "gate_up")), ((-0.01, -0.01), ("qkv", "gate_up"))):
         seen = []
         monkeypatch.setattr(wide_choice, "price", lambda rt, wide, prompt, log: seen.append(wide) or
-                            {"path": "test", "step_ms_int8": 1.0, "step_ms_wide": 1.0 + cost, "cost": cost,
+                            {"path": "test", "step_ms_int8": 1.0, "cost": costs[len(seen) - 1],
                              "max_cost": wide_choice.MAX_COST})
-        wide, report = wide_choice.decide(_PlantedEngine(lose, _cfg(4096)), prompts, lambda *a: None)
-        assert seen == [("qkv", "gate_up")] and wide == expect and report["wide"] == list(expect), cost
-        assert report["price"]["cost"] == cost
+        rt = _PlantedEngine(lose, _cfg(4096))
+        wide, report = wide_choice.decide(rt, prompts, lambda *a: None)
+        assert seen == [("o",), ("qkv", "gate_up")] and wide == expect and report["wide"] == list(expect), costs
+        assert report["price"]["cost"] == costs[1]
         if not expect:
             assert report["by_fidelity"] == ["qkv", "gate_up"] and report["chosen_by"] == "measured, priced"
+    # the cheapest family alone priced out: int8 without the search (reference and int8: 4 forwards)
+    seen.clear()
+    costs = (0.031,)
+    rt = _PlantedEngine(lose, _cfg(4096))
+    wide, report = wide_choice.decide(rt, prompts, lambda *a: None)
+    assert seen == [("o",)] and wide == () and rt.forwards == 4 and report["searched"] is False
+    assert report["price"]["cost"] == 0.031 and report["chosen_by"] == "measured, priced" and not report["meets_bar"]
     # nothing wide by fidelity: nothing to price
     seen.clear()
     wide, report = wide_choice.decide(_PlantedEngine({"qkv": 1 / n}, _cfg(4096)), prompts, lambda *a: None)
@@ -126,6 +148,21 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
         assert (price["cost"] > wide_choice.MAX_COST) == (auto["chosen_by"] == "measured, priced")
     assert list(measured.engine("gguf").wide_activations) == auto["wide"]
     assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
+
+
+def test_the_price_is_timed_on_one_engine_thread_by_its_cpu_time(tiny):
+    """A loaded machine's other processes cost a wall-clock step their time slices, and the
+    default then turned on a coin: the price runs one thread and reads its CPU time, and the
+    runtime keeps its own thread governor afterwards."""
+    from backend.devices import load_runtime
+
+    named, _ = tiny
+    rt = load_runtime(named)
+    governor = rt.governor
+    out = wide_choice.price(rt, ("qkv",), list(range(3, 40)), lambda *a: None)
+    assert out["clock"] == "thread CPU time, one engine thread" and out["step_ms_int8"] > 0 and out["step_ms_wide"] > 0
+    assert rt.governor is governor and rt.model.struct.wide == 0
+    rt.close()
 
 
 def test_an_engine_with_wide_matrices_is_exact_and_batch_invariant(tiny):

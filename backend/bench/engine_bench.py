@@ -212,6 +212,68 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     return result
 
 
+def _verify_ms(rt, toks: np.ndarray, clock) -> tuple[float, np.ndarray]:
+    """One forward of toks [1, T] as a chain after the runtime's sequence 0 (its context kept)."""
+    t = toks.shape[1]
+    t0 = clock()
+    out = rt.forward([0], toks, np.arange(-1, t - 1, dtype=np.int32)[None], np.arange(t)[None])
+    ms = 1000 * (clock() - t0)
+    rt.commit([0], [np.array([], np.int64)])
+    return ms, out.logits.copy()
+
+
+def ab_builds(manifest: EngineManifest, builds: dict[str, str], isas: list[str], reps: int,
+              out_json: Path | None, tokens=(1, 2, 4, 8, 16), context: int = 256) -> dict:
+    """Builds of the kernel (name -> library, runtime/native.build_at; the same library under two
+    names is an A/A control) x matmul paths, alternated in one process: B=1 forwards of T tokens
+    after `context` tokens, each rep the settings in rotated order on the same tokens; medians
+    over reps after the first. The clock: this thread's CPU time where the engine runs on one
+    thread (SPECDEC_THREADS=1: a shared machine's other processes then cost the reading little),
+    else wall time. Every setting's logits are compared bit for bit with the first's."""
+    from backend.devices import load_runtime
+    from backend.runtime import native
+
+    settings = [(b, i) for b in builds for i in isas]
+    rts, rng = {}, np.random.default_rng(0)
+    prompt = rng.integers(3, manifest.model.vocab_size, (1, context))
+    for name, path in builds.items():
+        with native.build_at(path):
+            rt = rts[name] = load_runtime(manifest, "gguf")
+            rt.alloc(0)
+            rt.forward([0], prompt, np.arange(-1, context - 1, dtype=np.int32)[None], np.full((1, 1), context - 1))
+            rt.commit([0], [np.arange(context)])
+    one_thread = all(rt.threads == 1 for rt in rts.values())
+    clock = time.thread_time if one_thread else time.perf_counter
+    got = {s: {t: [] for t in tokens} for s in settings}
+    mismatched = set()
+    for r in range(reps + 1):
+        order = settings[r % len(settings):] + settings[:r % len(settings)]
+        for t in tokens:
+            toks, first = rng.integers(3, manifest.model.vocab_size, (1, t)), {}
+            for b, isa in order:
+                with native.build_at(builds[b]):
+                    native.use_tiles(isa != "avx512")
+                    ms, first[(b, isa)] = _verify_ms(rts[b], toks, clock)
+                if r:
+                    got[(b, isa)][t].append(ms)
+            ref = first[settings[0]]
+            mismatched |= {f"{b}/{i}" for (b, i), v in first.items() if not np.array_equal(v.view(np.uint32), ref.view(np.uint32))}
+    for rt in rts.values():
+        rt.close()
+    med = {f"{b}/{i}": {t: round(statistics.median(v[t]), 3) for t in tokens} for (b, i), v in got.items()}
+    result = {"builds": builds, "isas": isas, "reps": reps, "context": context, "tokens": list(tokens),
+              "clock": "thread CPU time, one engine thread" if one_thread else "wall",
+              "median_ms": med, "cost_over_t1": {s: {t: round(m[t] / m[tokens[0]], 3) for t in tokens} for s, m in med.items()},
+              "logits_bitwise_equal_to_first": not mismatched, "mismatched": sorted(mismatched)}
+    for s, m in med.items():
+        print(f"{s:24s} " + " ".join(f"T={t}:{m[t]:.2f}ms" for t in tokens) + "  cost(T)/cost(1) " +
+              "/".join(f"{result['cost_over_t1'][s][t]:.2f}" for t in tokens[1:]), flush=True)
+    print("logits bitwise equal across settings:", "yes" if not mismatched else f"NO: {sorted(mismatched)}")
+    if out_json:
+        write_result(out_json, result, threads=1 if one_thread else engine_threads())
+    return result
+
+
 def _ratios(rows, t: int) -> dict:
     out = {}
     for r in rows:

@@ -1,6 +1,6 @@
 """Where a bench result came from, written into its JSON by the bench itself (issue 43, point 4):
 the date, the machine (CPU model, logical CPUs, the native kernel's instruction set, the threads
-the bench ran on, the GPU), the commit and the exact command. A number in docs/results.md is
+the bench ran on, the GPU), the commit (with the diff's hash on a dirty tree) and the exact command. A number in docs/results.md is
 then checked against the file it links, not against a session's memory of where it ran.
 
     write_result(path, result, threads=n)   # {"provenance": provenance(n), **result} as JSON
@@ -13,6 +13,7 @@ llama.cpp venv, which has no specdec installed) can use it through the repositor
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -83,14 +84,19 @@ def _gpu_name() -> str | None:
 
 def _commit() -> dict | None:
     """{"hash": short hash of HEAD, "dirty": tracked files differ from it} of the checkout this
-    module runs from; None outside a git checkout (an installed copy) or without git."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
+    module runs from, and on a dirty tree "diff_sha256": the sha256 of `git diff HEAD` (the
+    tracked changes, binary included), so a number measured on uncommitted code names that code
+    (issue 50). None outside a git checkout (an installed copy) or without git."""
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                              check=True, timeout=30).stdout
     try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO:
+        if Path(git("rev-parse", "--show-toplevel").decode().strip()).resolve() != REPO:
             return None
-        return {"hash": git("rev-parse", "--short", "HEAD"),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        out = {"hash": git("rev-parse", "--short", "HEAD").decode().strip(),
+               "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
+        if out["dirty"]:
+            out["diff_sha256"] = hashlib.sha256(git("diff", "--binary", "HEAD")).hexdigest()
+        return out
     except (OSError, subprocess.SubprocessError):
         return None

@@ -2,9 +2,10 @@
 at a time, the drafter cycling `auto`, `prompt-lookup`, `eagle`, `none`, greedy and seeded
 sampling alternating (each drafter gets both), and every third client closing its connection
 after its third streamed event; given the OpenAI front's URL, every other request goes through
-its /v1/chat/completions instead (backend/serve/openai_api.py, the same mix). It counts what a
-user would: every request that was not cut by its client must end with a finish reason, never
-an error or silence.
+its /v1/chat/completions instead (backend/serve/openai_api.py, the same mix); given the URL of
+NVIDIA Dynamo's frontend in front of the server (docs/scale-out.md), every fourth request goes
+there (the drafter in `nvext.annotations`). It counts what a user would: every request that was
+not cut by its client must end with a finish reason, never an error or silence.
 
 Used by the fault suite (tests/test_faults_soak.py) and by hand against any running server:
   python -m backend.bench.soak --url 127.0.0.1:8000 --model specdec --requests 240 --concurrency 12
@@ -54,6 +55,13 @@ def openai_body(i: int, messages: list[dict], max_tokens: int) -> dict:
             "temperature": t.get("temperature", 0.0), "seed": t["random_seed"], "drafter": t["drafter"]}
 
 
+def dynamo_body(i: int, messages: list[dict], max_tokens: int) -> dict:
+    """Request i of the mix for Dynamo's frontend: our extensions travel as nvext annotations."""
+    body = openai_body(i, messages, max_tokens)
+    body["nvext"] = {"annotations": [f"drafter:{body.pop('drafter')}"]}
+    return body
+
+
 def _finish(event: dict) -> str:
     """An event's finish reason, Triton's (top level) or OpenAI's (its choice's)."""
     if "choices" in event:
@@ -98,16 +106,19 @@ def one_request(url: str, path: str, body: dict, cut_after: int | None, timeout_
 
 def run(url: str, model: str, requests: int = 240, concurrency: int = 12, max_tokens: int = 48,
         cut_every: int = 3, cut_after: int = 3, prompts_path: Path = PROMPTS,
-        timeout_s: float = 300.0, openai_url: str | None = None) -> SoakResult:
+        timeout_s: float = 300.0, openai_url: str | None = None, dynamo_url: str | None = None) -> SoakResult:
     """The soak against Triton's HTTP door at `url` (model `model`); with openai_url, every other
-    request (the odd ones) through the OpenAI front there instead."""
+    request (the odd ones) through the OpenAI front there instead; with dynamo_url, every fourth
+    (i % 4 == 3) through Dynamo's frontend there."""
     prompts = [json.loads(line)["messages"] for line in prompts_path.read_text().splitlines() if line.strip()]
     result, lock = SoakResult(), threading.Lock()
 
     def go(i: int) -> None:
         cut = cut_after if cut_every and i % cut_every == cut_every - 1 else None
         messages = prompts[i % len(prompts)]
-        if openai_url and i % 2:
+        if dynamo_url and i % 4 == 3:
+            err = one_request(dynamo_url, "/v1/chat/completions", dynamo_body(i, messages, max_tokens), cut, timeout_s)
+        elif openai_url and i % 2:
             err = one_request(openai_url, "/v1/chat/completions", openai_body(i, messages, max_tokens), cut, timeout_s)
         else:
             err = one_request(url, f"/v2/models/{model}/generate_stream", request_body(i, messages, max_tokens), cut,
@@ -136,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
     ap.add_argument("--openai-url", default=None, help="host:port of the OpenAI front: every other request there")
+    ap.add_argument("--dynamo-url", default=None, help="host:port of Dynamo's frontend: every fourth request there")
     a = ap.parse_args(argv)
     result = run(a.url, a.model, a.requests, a.concurrency, a.max_tokens, prompts_path=a.prompts,
-                 openai_url=a.openai_url)
+                 openai_url=a.openai_url, dynamo_url=a.dynamo_url)
     print(json.dumps(result.as_dict()))
     return 1 if result.failed else 0
 

@@ -336,13 +336,12 @@ _GGUF_ROPE_TENSORS = {"rope_freqs.weight": "rope_freqs", "rope_factors_long.weig
 
 
 def _load_gguf(path: Path) -> Checkpoint:
-    import gguf
+    from backend.build.gguf_file import read_gguf
 
-    r = gguf.GGUFReader(str(path))
+    fields, gguf_tensors = read_gguf(path)
 
     def meta(key, default=None):
-        f = r.fields.get(key)
-        return default if f is None else f.contents()
+        return fields.get(key, default)
 
     def need(key):
         v = meta(key)
@@ -361,10 +360,10 @@ def _load_gguf(path: Path) -> Checkpoint:
     tensors: dict[str, SourceTensor] = {}
     rope: dict[str, np.ndarray] = {}
     types: dict[str, int] = {}
-    for t in r.tensors:
-        qtype = t.tensor_type.name
+    for t in gguf_tensors:
+        qtype = t.type_name
         if t.name in _GGUF_ROPE_TENSORS:
-            rope[_GGUF_ROPE_TENSORS[t.name]] = SourceTensor(t.name, qtype, (int(t.shape[0]),), t.data).float32()
+            rope[_GGUF_ROPE_TENSORS[t.name]] = SourceTensor(t.name, qtype, (int(t.dims[0]),), t.data).float32()
             continue
         canon = _canonical_gguf(t.name)
         if canon is None:
@@ -373,7 +372,7 @@ def _load_gguf(path: Path) -> Checkpoint:
             raise CheckpointError(f"{path.name}: tensor {t.name} has quantization type {qtype}, "
                                   f"which is not supported (supported: "
                                   f"{sorted(FLOAT_TYPES | BLOCK_TYPES)})")
-        shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF lists ne0 (inner) first
+        shape = tuple(int(x) for x in reversed(t.dims))  # GGUF lists ne0 (inner) first
         tensors[canon] = SourceTensor(canon, qtype, shape, t.data)
         types[qtype] = types.get(qtype, 0) + 1
     num_kv = int(meta(f"{arch}.attention.head_count_kv", heads))

@@ -7,6 +7,7 @@ runs what it built) is its backend's (backend/devices); this module only orders 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -59,8 +60,37 @@ def _tool_versions() -> dict[str, str]:
     return out
 
 
+def machine_bytes() -> int:
+    """The memory this machine (or this process's cgroup, where it is limited) holds."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
+
+
+def fitting(weights: tuple[WeightFormat, ...], owners, ck, log, serving: WeightFormat | None = None
+            ) -> tuple[WeightFormat, ...]:
+    """The default formats whose build fits in half this machine's memory (the rest for the file
+    being read, the system and its other work): a default that does not fit the machine is not
+    the default (issue 53). The serving format (--default-format, else the first) always stays."""
+    budget = machine_bytes() // 2
+    serving = serving or weights[0]
+    kept = []
+    for w, b in zip(weights, owners):
+        need = b.build_bytes(ck, w)
+        if w is not serving and need is not None and need > budget:
+            log(f"--weights: {w.value} left out of the default build: it needs ~{need / 1e9:.1f} GB to build, more "
+                f"than half of this machine's {machine_bytes() / 1e9:.1f} GB (name it in --weights to build it anyway)")
+        else:
+            kept.append(w)
+    return tuple(kept)
+
+
 def build(cfg: BuildConfig) -> EngineManifest:
-    if cfg.weights is None:
+    by_default = cfg.weights is None
+    if by_default:
         cfg = replace(cfg, weights=devices.default_weights(cfg.device))
     try:
         owners = [devices.backend_for(cfg.device, w) for w in cfg.weights]
@@ -83,6 +113,9 @@ def build(cfg: BuildConfig) -> EngineManifest:
             raise BuildError(f"{ck.config.architecture} on --device {cfg.device.value} --weights {w.value}: "
                              f"its engines do not implement {', '.join(b.unsupported(ck.config))} yet; "
                              f"build it with --device cpu")
+    if by_default:
+        cfg = replace(cfg, weights=fitting(cfg.weights, owners, ck, log, cfg.default_format))
+        owners = [devices.backend_for(cfg.device, w) for w in cfg.weights]
     engine_dir = Path(cfg.output) / ENGINE_SUBDIR
     engine_dir.mkdir(parents=True, exist_ok=True)
     log(f"loaded {ck.config.architecture} ({ck.config.num_layers} layers, vocab "

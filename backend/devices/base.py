@@ -106,6 +106,12 @@ class EngineBackend(ABC):
         """What of this install the manifest's tool_versions records (the native kernel's ISA)."""
         return {}
 
+    def build_bytes(self, ck, fmt: WeightFormat) -> int | None:
+        """The memory building (and checking) an engine of `fmt` from checkpoint `ck` needs at its
+        peak, where that grows past the file it reads (a default build leaves out a format that
+        does not fit the machine: pipeline.py); None: about the checkpoint's own size."""
+        return None
+
     def environment(self, ctx: BuildContext) -> dict | None:
         """The accelerator the build records in the manifest (`gpu`), None on a CPU."""
         return None

@@ -41,6 +41,9 @@ class DrafterTraits:
         return min(budget, self.max_forwards) if budget > 0 else 0
 
 
+_ROOT_ALONE = TokenTree.chain(0)
+
+
 @dataclass
 class Draft:
     tree: TokenTree
@@ -48,7 +51,9 @@ class Draft:
 
     @classmethod
     def empty(cls, root: int) -> "Draft":
-        return cls(TokenTree.chain(0), np.array([root], np.int64))
+        """The root alone (a plain step): one tree shared by every such draft (nothing changes a
+        tree after it is made), so a plain step builds and checks no tree (perf-notes §40)."""
+        return cls(_ROOT_ALONE, np.array([root], np.int64))
 
     @property
     def num_draft_tokens(self) -> int:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from backend import request_schema
 from backend.config import SamplingParams
 from backend.drafters.base import Draft, DrafterTraits
 from backend.sequence import SequenceState
@@ -46,7 +47,8 @@ class _Sync:
 
 
 def params_json(p: SamplingParams) -> dict:
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}
+    """The sampling parameters that shape the draft's distribution (the request schema's `draft` fields)."""
+    return {f.param: getattr(p, f.param) for f in request_schema.DRAFT}
 
 
 class RemoteDrafter:
@@ -139,7 +141,7 @@ class RemoteDrafter:
             ids = s.all_ids()
             row = {"key": sync.key, "synced": sync.synced, "tokens": [int(t) for t in ids[sync.synced:]],
                    "budget": int(max_tokens[i]), "params": params_json(s.params), "seed": int(s.noise.seed),
-                   "position": len(s.output_ids)}
+                   "position": s.position}
             if self.traits.needs_hidden:
                 have = np.concatenate(sync.feats) if sync.feats else np.zeros((0, 0), np.float32)
                 sync.feats = [have]

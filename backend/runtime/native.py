@@ -15,6 +15,7 @@ Knows: the C entry points and their structs, slots. Does not know: sampling, dra
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -148,29 +149,53 @@ def library() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         want = _isa_wanted()
-        path = _library_path(want)
-        lib = ctypes.CDLL(path)
-        check_abi(lib, path)
-        lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
-                                   ctypes.POINTER(_Workspace)]
-        lib.sd_forward.restype = ctypes.c_int
-        lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
-        lib.sd_isa.restype = ctypes.c_char_p
-        lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
-        lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
-        lib.sd_matmul.restype = ctypes.c_int
-        on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
-        if want == "amx" and not on:
-            raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
-                            "XCR0 and the Linux permission request); unset it to run the vector path")
-        got = lib.sd_isa().decode()
-        if want == "avx512" and not got.startswith("avx512"):
-            raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
-        if want in LOWER and got != want:
-            raise UserError(f"SPECDEC_ISA={want}: {path} runs {got}, and no {want} build was compiled beside it "
-                            f"(setup.py builds one where this CPU has {want} and more)")
-        _LIB = lib
+        _LIB = _load(_library_path(want), want)
     return _LIB
+
+
+def _load(path: str, want: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    check_abi(lib, path)
+    lib.sd_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Step),
+                               ctypes.POINTER(_Workspace)]
+    lib.sd_forward.restype = ctypes.c_int
+    lib.sd_workspace_free.argtypes, lib.sd_workspace_free.restype = [ctypes.POINTER(_Workspace)], None
+    lib.sd_isa.restype = ctypes.c_char_p
+    lib.sd_use_tiles.argtypes, lib.sd_use_tiles.restype = [ctypes.c_int], ctypes.c_int
+    lib.sd_matmul.argtypes = [ctypes.POINTER(_Matrix), _P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int]
+    lib.sd_matmul.restype = ctypes.c_int
+    on = lib.sd_use_tiles(TILES_AUTO if want in ("auto", "amx") else TILES_OFF)
+    if want == "amx" and not on:
+        raise UserError("SPECDEC_ISA=amx: this CPU or OS gives no AMX tiles (CPUID AMX-TILE/AMX-INT8, "
+                        "XCR0 and the Linux permission request); unset it to run the vector path")
+    got = lib.sd_isa().decode()
+    if want == "avx512" and not got.startswith("avx512"):
+        raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
+    if want in LOWER and got != want:
+        raise UserError(f"SPECDEC_ISA={want}: {path} runs {got}, and no {want} build was compiled beside it "
+                        f"(setup.py builds one where this CPU has {want} and more)")
+    return lib
+
+
+_BUILDS: dict[str, ctypes.CDLL] = {}
+
+
+@contextlib.contextmanager
+def build_at(path: str):
+    """Another build of the kernel (a library compiled from other sources with this ABI) as the
+    process's library inside the block: A/B runs of two builds in one process (`specdec
+    bench-engine --builds`). Runtimes made inside keep it; use_tiles inside sets its mode."""
+    global _LIB
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise UserError(f"--builds: {path}: no such file")
+    if path not in _BUILDS:
+        _BUILDS[path] = _load(path, "auto")
+    saved, _LIB = _LIB, _BUILDS[path]
+    try:
+        yield _LIB
+    finally:
+        _LIB = saved
 
 
 TILES_OFF, TILES_AUTO, TILES_ALWAYS = 0, 1, 2      # kernels.h tiles_select's modes
@@ -315,6 +340,20 @@ class NativeModel:
         self.struct.wide = wide_mask(wide)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros the OS hands out page by page as they are first written, with nothing reserved up
+    front (MAP_NORESERVE): np.zeros asks Linux to reserve every slot's columns at once, which its
+    overcommit heuristic refuses past the machine's memory (an 8B at 8,192 positions: 65 GB for 64
+    slots, on a 24 GB machine: MemoryError at load), while a server only writes the pages of its
+    sequences' columns."""
+    import mmap
+
+    count = int(np.prod(shape, dtype=np.int64))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux's value
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=flags)
+    return np.frombuffer(buf, dtype, count).reshape(shape)        # the array holds the mapping
+
+
 class NativeRuntime(SlotSequences):
     ragged = True
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int, max_seq_len: int,
@@ -332,8 +371,8 @@ class NativeRuntime(SlotSequences):
         self.governor = CoreGovernor(self.threads)     # fewer threads while other processes hold cores
         self.capacity = options.max_sequences or 64
         self.columns = max_seq_len + SCRATCH_COLUMNS
-        self.cache = np.zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
-                               config.head_dim), np.float16)
+        self.cache = _lazy_zeros((num_layers, 2, self.capacity + 1, config.num_kv_heads, self.columns,
+                                  config.head_dim), np.float16)
         self._cache = _Cache(self.cache.ctypes.data, self.capacity + 1, self.columns)
         self.slots = SlotTable(self.capacity, self.columns, max_seq_len)
         self._logits, self._hidden, self._packed, self._packed_logits = Grow(), Grow(), Grow(), Grow()

@@ -79,13 +79,18 @@ def _hw_kind(rec: fp8.Recipe) -> str | None:
 
 
 _PROBED: dict[tuple[str, str], bool] = {}
+# The GPU check's dry run (benchmarks/gpu_check.py) sets this so that a CPU runs the hardware FP8
+# GEMM's code where this CPU's torch has torch._scaled_mm for the recipe's form: the GPU's path,
+# run for its coverage; nothing else sets it (on a CPU the emulation is the faster path).
+SCALED_MM_ON_CPU = False
 
 
 def hardware_fp8(device: torch.device, rec: fp8.Recipe = fp8.LEGACY) -> bool:
     """Whether torch._scaled_mm runs `rec` on this GPU and gives the emulation's numbers
-    (probe_scaled_mm, once per device and form); never on a CPU (where the emulation is faster)."""
+    (probe_scaled_mm, once per device and form); never on a CPU (where the emulation is faster),
+    unless SCALED_MM_ON_CPU."""
     kind = _hw_kind(rec)
-    if device.type != "cuda" or kind is None:
+    if (device.type != "cuda" and not SCALED_MM_ON_CPU) or kind is None:
         return False
     if (str(device), kind) not in _PROBED:
         _PROBED[(str(device), kind)] = probe_scaled_mm(device, rec)

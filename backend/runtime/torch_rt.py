@@ -67,6 +67,9 @@ class TorchRuntime(SlotSequences):
         # attention by the Triton kernel (a GPU), else by its numpy reference; a test may set it
         # on a CPU, where the kernel runs in Triton's interpreter (TRITON_INTERPRET=1)
         self.kernels = self.device.type == "cuda"
+        # verify() by the kernel (a GPU); the GPU check's dry run sets it on a CPU, where the kernel
+        # runs in the interpreter (tests compare the graphs' kernel to the host's verification)
+        self.device_verify = self.device.type == "cuda"
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, seq_ids: list[int], input_ids: np.ndarray, parents: np.ndarray,
@@ -184,9 +187,9 @@ class TorchRuntime(SlotSequences):
 
     # --- verify ------------------------------------------------------------------------------
     def verify(self, out: ForwardOutput, drafts, params, noises, positions):
-        """On a GPU, the verify kernel on the device logits (only accepted paths come back);
-        elsewhere backend/verify.py on the host (the kernel's reference)."""
-        if self.device.type != "cuda":
+        """On a GPU (`device_verify`), the verify kernel on the device logits (only accepted
+        paths come back); elsewhere backend/verify.py on the host (the kernel's reference)."""
+        if not self.device_verify:
             return verify_on_host(out, drafts, params, noises, positions)
         from plugins import kernels
 

@@ -14,16 +14,15 @@ import urllib.request
 
 import numpy as np
 
-from backend import triton_io
+from backend import request_schema, triton_io
 
 
 def request_fields(prompt: str, args) -> dict:
-    fields = {"text_input": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "stream": args.stream, "apply_chat_template": not args.raw}
-    for key in ("top_k", "top_p", "min_p", "num_draft_tokens", "drafter"):
-        v = getattr(args, key)
-        if v is not None:
-            fields[key] = v
+    fields = {"text_input": prompt, "max_tokens": args.max_tokens, "stream": args.stream,
+              "apply_chat_template": not args.raw}
+    for f in request_schema.FIELDS:
+        if f.flag and getattr(args, f.name) is not None:
+            fields[f.name] = getattr(args, f.name)
     if args.seed is not None:
         fields["random_seed"] = args.seed
     if args.stop:
@@ -31,10 +30,7 @@ def request_fields(prompt: str, args) -> dict:
     return fields
 
 
-_DTYPES = {"text_input": "BYTES", "drafter": "BYTES", "stop_words": "BYTES", "max_tokens": "INT32",
-           "top_k": "INT32", "num_draft_tokens": "INT32", "end_id": "INT32", "temperature": "FP32",
-           "top_p": "FP32", "min_p": "FP32", "random_seed": "UINT64", "stream": "BOOL",
-           "apply_chat_template": "BOOL"}
+_DTYPES = {f.name: f.dtype for f in request_schema.FIELDS}
 _NP = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": bool}
 
 

@@ -1,29 +1,34 @@
 """OpenAI completions and chat completions, translated to and from the `specdec` Triton model.
 
-A request body becomes a `Call`: the Triton inputs (backend/serve/client.py's field names) and how
-to answer (chat or text, streamed or not, usage in the stream). Every field is one of three kinds:
-honoured (`HONOURED`), our extension (`EXTENSIONS`, vLLM's names where vLLM has one), or refused
-unless it has its neutral value (`REFUSED`); a few request-metadata fields are accepted and have
-no effect on the output (`METADATA`). Anything else is refused with OpenAI's error object naming
-the field (HTTP 400), never silently dropped. A chat's messages travel as JSON text with
-`apply_chat_template`, the path Triton's own clients use, so both doors render the same prompt.
-Knows: the OpenAI request fields and response shapes, the model's input and statistics names.
-Does not know: HTTP (on either side), tokens.
+A request body becomes a `Call`: the Triton inputs (the request schema's names,
+backend/request_schema.py) and how to answer (chat or text, streamed or not, usage in the stream).
+Every field is one of three kinds: honoured (`HONOURED`), our extension (`EXTENSIONS`, vLLM's names
+where vLLM has one), or refused unless it has its neutral value (`REFUSED`); a few request-metadata
+fields are accepted and have no effect on the output (`METADATA`). Anything else is refused with
+OpenAI's error object naming the field (HTTP 400), never silently dropped. The request schema says
+which OpenAI field carries which input; each is read by its input's datatype, and its values are
+the model's to refuse (named for this door). A chat's messages travel as JSON text with
+`apply_chat_template`, the path Triton's own clients use, so both doors render the same prompt; a
+chat without `max_tokens` asks for the rest of the context (max_tokens = -1), so nothing here counts
+tokens.
+Knows: the OpenAI request fields and response shapes. Does not know: HTTP (on either side), tokens.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from backend import request_schema as schema
 from backend import triton_io
 
 MODEL_ID = "specdec"
 COMPLETION_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 INT32_MAX = 2**31 - 1
 
-HONOURED = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-            "seed", "stop", "n", "stream", "stream_options")
-EXTENSIONS = ("top_k", "min_p", "ignore_eos", "drafter", "num_draft_tokens")
+_CARRIED = tuple(f for f in schema.FIELDS if f.openai)     # the inputs an OpenAI field carries
+HONOURED = ("model", "messages", "prompt", "max_completion_tokens", "n", "stream", "stream_options",
+            *(f.openai for f in _CARRIED if not f.extension))
+EXTENSIONS = tuple(f.openai for f in _CARRIED if f.extension)
 METADATA = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier")
 # field -> the values that mean "not used" (anything else is refused)
@@ -35,7 +40,10 @@ REFUSED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (Non
            "verbosity": (None,), "web_search_options": (None,)}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # a Triton input named by an error -> the request field the client sent
-TRITON_TO_FIELD = {"random_seed": "seed", "stop_words": "stop", "end_id": "ignore_eos"}
+TRITON_TO_FIELD = {f.name: f.openai for f in _CARRIED}
+# read apart: max_tokens (max_completion_tokens too, and the completions' default), end_id (ignore_eos: a flag)
+_OWN_READS = ("max_tokens", "end_id")
+_VALUE = {"top_k": lambda v: 0 if v == -1 else v}        # vLLM's top_k=-1: off
 FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -63,7 +71,6 @@ class Call:
     stream: bool
     include_usage: bool
     max_tokens_field: str              # what the client called it (errors name it)
-    max_tokens_given: bool
 
 
 # ---- typed reads: each names the field it refuses ----
@@ -86,14 +93,34 @@ def _flag(body: dict, name: str) -> bool | None:
     return v
 
 
-def _stops(body: dict) -> list[str]:
-    v = body.get("stop")
+def _strings(body: dict, name: str) -> list[str] | None:
+    v = body.get(name)
     if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("stop", f"expected a string or a list of strings, got {json.dumps(v)}")
-    return [s for s in stops if s]
+        return None
+    strings = [v] if isinstance(v, str) else v
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise bad(name, f"expected a string or a list of strings, got {json.dumps(v)}")
+    return [s for s in strings if s] or None
+
+
+def _string(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise bad(name, f"expected a string, got {json.dumps(v)}")
+    return v
+
+
+def _read(body: dict, f: schema.Field):
+    """The value of the OpenAI field that carries input `f`, typed by f's datatype (an integer
+    within its range: what Triton could not convert is refused here, naming the field)."""
+    if f.is_list:
+        return _strings(body, f.openai)
+    if f.dtype == "BYTES":
+        return _string(body, f.openai)
+    if f.dtype == "BOOL":
+        return _flag(body, f.openai)
+    lo, hi = schema.INT_RANGES.get(f.dtype, (None, None))
+    return _number(body, f.openai, integer=f.dtype != "FP32", lo=lo, hi=hi)
 
 
 def _message_text(i: int, msg) -> dict:
@@ -149,25 +176,11 @@ def _check_fields(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict, fields: dict) -> None:
-    for name, integer, lo, hi in (("temperature", False, 0, None), ("top_p", False, None, None),
-                                  ("top_k", True, -1, INT32_MAX), ("min_p", False, None, None),
-                                  ("num_draft_tokens", True, 0, INT32_MAX)):
-        v = _number(body, name, integer, lo, hi)
-        if v is not None:
-            fields[name] = 0 if name == "top_k" and v == -1 else v     # vLLM's top_k=-1: off
-    seed = _number(body, "seed", integer=True, lo=0, hi=2**64 - 1)
-    if seed is not None:
-        fields["random_seed"] = seed
-    stops = _stops(body)
-    if stops:
-        fields["stop_words"] = stops
+    for f in _CARRIED:
+        if f.name not in _OWN_READS and (v := _read(body, f)) is not None:
+            fields[f.name] = _VALUE.get(f.name, lambda x: x)(v)
     if _flag(body, "ignore_eos"):
         fields["end_id"] = -1
-    drafter = body.get("drafter")
-    if drafter is not None:
-        if not isinstance(drafter, str):
-            raise bad("drafter", f"expected a string, got {json.dumps(drafter)}")
-        fields["drafter"] = drafter
 
 
 def parse(body, chat: bool, model_ids: tuple[str, ...] = (MODEL_ID,)) -> Call:
@@ -184,16 +197,15 @@ def parse(body, chat: bool, model_ids: tuple[str, ...] = (MODEL_ID,)) -> Call:
     _sampling(body, fields)
     mt_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, mt_field, integer=True, lo=1, hi=INT32_MAX)
-    if not chat and max_tokens is None:
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-    if max_tokens is not None:
-        fields["max_tokens"] = max_tokens
+    if max_tokens is None:                               # completions: OpenAI's 16; chat: the rest of the context
+        max_tokens = triton_io.UP_TO_CONTEXT if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    fields["max_tokens"] = max_tokens
     stream = bool(_flag(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
         raise bad("stream_options", f"expected {{\"include_usage\": bool}}, got {json.dumps(opts)}")
     include_usage = bool(_flag(opts, "include_usage")) if opts else False
-    return Call(chat, model, fields, stream, include_usage, mt_field, max_tokens is not None)
+    return Call(chat, model, fields, stream, include_usage, mt_field)
 
 
 def field_of(triton_input: str, call: Call) -> str:
@@ -220,8 +232,9 @@ def triton_error(message: str, call: Call) -> ApiError:
 
 # ---- responses ----
 
-def usage(prompt_tokens: int, stats: dict) -> dict:
-    completion = int(stats.get("output_token_count", 0))
+def usage(stats: dict) -> dict:
+    """OpenAI's usage from the model's statistics (it counted the prompt, chat template included)."""
+    prompt_tokens, completion = int(stats.get("prompt_token_count", 0)), int(stats.get("output_token_count", 0))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_prompt_tokens", 0))}}
@@ -255,10 +268,10 @@ def _head(call: Call, rid: str, created: int) -> dict:
             "model": call.model}
 
 
-def response(call: Call, rid: str, created: int, text: str, stats: dict, prompt_tokens: int) -> dict:
+def response(call: Call, rid: str, created: int, text: str, stats: dict) -> dict:
     """The whole answer of a non-streaming request."""
     return {**_head(call, rid, created), "choices": [_choice(call, text, finish_reason(stats))],
-            "usage": usage(prompt_tokens, stats), "specdec": spec_stats(stats)}
+            "usage": usage(stats), "specdec": spec_stats(stats)}
 
 
 def chunk(call: Call, rid: str, created: int, text: str | None, stats: dict | None = None,
@@ -273,8 +286,8 @@ def chunk(call: Call, rid: str, created: int, text: str | None, stats: dict | No
     return out
 
 
-def usage_chunk(call: Call, rid: str, created: int, stats: dict, prompt_tokens: int) -> dict:
-    return {**_head(call, rid, created), "choices": [], "usage": usage(prompt_tokens, stats)}
+def usage_chunk(call: Call, rid: str, created: int, stats: dict) -> dict:
+    return {**_head(call, rid, created), "choices": [], "usage": usage(stats)}
 
 
 def models_list(model_ids: tuple[str, ...], created: int) -> dict:

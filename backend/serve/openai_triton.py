@@ -1,21 +1,22 @@
-"""One request to the `specdec` Triton model over Triton's HTTP `generate_stream`, as an async iterator of text pieces.
+"""One request to a Triton model over Triton's HTTP `generate_stream`, as an async iterator of text pieces
+(the front's, to `generator`) or of the model's responses (the Dynamo worker's).
 
 The front door asks Triton for a streamed answer always (a non-streaming OpenAI request joins the
 pieces, which is what the model's own non-streaming answer is), so every request can be cancelled
 the same way: leaving the iterator before the answer is complete closes its connection, Triton
-cancels the request, and the `specdec` relay stops the generator's sequence at its next step.
+cancels the request, and the generator drops the sequence at its next step.
 The request is the fields as JSON (Triton's generate extension makes each key that names an input
 of the model that tensor); the answer is server-sent events, one `data: {...}` line per response,
 the outputs as top-level keys. Triton writes a BYTES output into the JSON string as its raw bytes,
 so a piece that ended inside a character would arrive as invalid UTF-8: the line is decoded with
 `surrogateescape` and the text's bytes go through an incremental decoder, which carries an
 incomplete character over to the next piece, so no piece ever ends inside a character.
-The stream's end is the response whose `finish_reason` is set (the relay's last text response);
+The stream's end is the response whose `finish_reason` is set (the model's last text response);
 errors arrive as `data: {"error": ...}` events, their code lost, so their message says what they
 are (backend/triton_io.error_code); the first response's code sets the HTTP status (the
 generator's UNAVAILABLE is a 503 with that event). An error is the model's whole answer, like the
 last text response: neither is cut. The rest of a finished answer's body (the chunked stream's
-end, sent when the relay's final flag arrives) is read in the background, so its connection goes
+end, sent when the model's final flag arrives) is read in the background, so its connection goes
 back to the pool and no cancel reaches a request already complete (a cancel just after a refusal
 left a relay thread alive until finalize, and Triton could not stop in time: perf-notes §27).
 All of it runs in the front's event loop: no threads of its own (docs/perf-notes.md §27b).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,7 +37,7 @@ from backend import triton_io
 log = logging.getLogger("specdec.openai")
 DATA = b"data: "
 EVENT_LIMIT = 2**20          # aiohttp reads a line of up to twice its read buffer: 2 MiB an event
-DRAIN_TIMEOUT_S = 30.0       # a finished answer's end of body follows with the relay's final flag
+DRAIN_TIMEOUT_S = 30.0       # a finished answer's end of body follows with the model's final flag
 CLOSE_WAIT_S = 5.0           # at the front's stop, for those ends still on their way
 
 
@@ -87,7 +89,18 @@ class TritonHTTP:
             await self.session.close()
 
     async def generate(self, model: str, fields: dict) -> AsyncIterator[Piece]:
-        """Stream one request; raises TritonFailure. Closing the iterator early cancels the request."""
+        """Stream one request's text; raises TritonFailure. Closing the iterator early cancels the request."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        async with contextlib.aclosing(self.events(model, fields)) as events:   # closed with us: the cancel
+            async for event in events:
+                finished = bool(event.get("finish_reason"))
+                raw = event.get(triton_io.TEXT_OUTPUT, "").encode("utf-8", "surrogateescape")
+                yield Piece(decoder.decode(raw, final=finished), _stats(event) if finished else None)
+
+    async def events(self, model: str, fields: dict) -> AsyncIterator[dict]:
+        """Stream one request's responses as they came (the outputs by name; a BYTES output as
+        the str of its raw bytes, `surrogateescape`), up to the one whose finish_reason is set;
+        raises TritonFailure. Closing the iterator early cancels the request."""
         import aiohttp
 
         resp = None
@@ -101,7 +114,6 @@ class TritonHTTP:
                 raise TritonFailure(f"Triton HTTP: {type(exc).__name__}: {exc}", unreachable=True) from None
             if resp.content_type != "text/event-stream":
                 raise await _refusal(resp)         # refused before the model saw it (finished: no body left)
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
             content = resp.content
             while True:
                 try:
@@ -117,8 +129,7 @@ class TritonHTTP:
                     finished = True                # the model's answer, complete: read its end, not cut it
                     raise TritonFailure(str(event["error"]))
                 finished = bool(event.get("finish_reason"))
-                raw = event.get(triton_io.TEXT_OUTPUT, "").encode("utf-8", "surrogateescape")
-                yield Piece(decoder.decode(raw, final=finished), _stats(event) if finished else None)
+                yield event
                 if finished:
                     return
         finally:

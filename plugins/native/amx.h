@@ -36,8 +36,9 @@
 
 #define SD_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
 #define TILE_ROWS 16            /* int8 rows per tile (whole pairs of wide rows) */
-#define TILE_MAX_COLS 32768     /* a group's decoded blocks live on the thread's stack (~0.8 KB per 32
-                                   inputs, 768 KB here); wider matrices stay on VNNI */
+#define TILE_MAX_COLS 16384     /* two groups' decoded blocks live on the thread's stack (~0.8 KB per 32
+                                   inputs each, 800 KB here; Llama-3.1-8B's widest, 14336, fits); wider
+                                   matrices stay on VNNI */
 static int tiles_on;            /* TILES_*: set by tiles_select between forwards, read by matmul */
 
 /* from how many int8 rows a matmul of this kind runs on tiles (TILES_AUTO): where tiles measured
@@ -48,10 +49,10 @@ static inline int tile_min_rows(int type) {
     return type == SD_Q6_K ? INT32_MAX : 10;
 }
 
-/* A group's blocks are decoded first, all of them, into its weight tiles (kind_blocks with the
-   tile consumers below), then every row tile runs over them: a tile load never reads weights the
-   vector units stored a moment ago (no store forwarding into tile loads), and a prefill's row
-   tiles decode each block once. A round issues up to ROUND blocks' dots together (tiles 0-3 the
+/* A group's blocks are all decoded into its weight tiles (kind_blocks with the tile consumers
+   below) before its row tiles run over them, during the previous group's rounds (kernels.c
+   matmul_tiles, two scratches): a tile load never reads weights the vector units stored a moment
+   ago (no store forwarding into tile loads), and a prefill's row tiles decode each block once. A round issues up to ROUND blocks' dots together (tiles 0-3 the
    dots, 4/5 the activations and 6/7 the weights in turn; Q6_K: 2 blocks as two halves of 16
    each); round n's epilogue runs after round n+1's dots are issued (two buffers of dots). */
 #define ROUND 4
@@ -88,6 +89,22 @@ typedef struct {
     tile_scales *sc;                    /* [blocks] */
     int kind, zero;
 } tiles;
+
+/* the next group's decode, done a slice at a time between the current group's tile rounds */
+typedef struct {
+    const sd_matrix *w;
+    int g, done, units;                 /* group; its units (block_elems inputs each) decoded, of `units` */
+    tiles *t;                           /* into this scratch */
+} tile_decoder;
+
+/* units u0 .. u1 of group g decoded into t (kernels.c: kind_blocks with the consumers below) */
+static void decode_units(const sd_matrix *w, int g, int u0, int u1, tiles *t);
+
+static inline void decode_next(tile_decoder *d, int n) {
+    const int u1 = d->done + n < d->units ? d->done + n : d->units;
+    if (u1 > d->done) decode_units(d->w, d->g, d->done, u1, d->t);
+    d->done = u1;
+}
 
 /* the consumers kind_blocks calls per block: its weights and scales kept for the row tiles */
 static inline void tile_keep(tiles *t, const vi *wv, vf dw, int b) {
@@ -206,15 +223,22 @@ static inline void round_epilogue(const tiles *t, const act_q *a, int r0, int nr
 
 /* out [nr][LANES] = the group's outputs for int8 rows r0 .. r0 + nr over its nblk decoded blocks
    (the tiles configured for nr rows): round i's dots issued, then round i - 1's epilogue (its dots
-   were issued a round earlier), two buffers of dots */
-static SD_AMX_TARGET void tile_rows(const tiles *t, const act_q *a, int r0, int nr, int nblk, float out[][LANES]) {
+   were issued a round earlier), two buffers of dots. Meanwhile the next group's blocks are
+   decoded into the other scratch (`next`, NULL: none), a slice per round: the weights stream from
+   memory and the vector units decode while the tiles compute, and a tile load never reads what
+   the vector units stored a moment ago (decoding a group's blocks all at once, then its rows, left
+   the tile path ~30-80% slower than VNNI at one row, perf-notes §38). */
+static SD_AMX_TARGET void tile_rows(const tiles *t, const act_q *a, int r0, int nr, int nblk, float out[][LANES],
+                                    tile_decoder *next) {
     _Alignas(64) int32_t s[2][ROUND][TILE_ROWS][LANES];
     vf d[TILE_ROWS], m[TILE_ROWS];
     for (int r = 0; r < nr; r++) d[r] = m[r] = vf_zero();
     const int8_t *q = a->q + (size_t)r0 * a->k;
     const int per = t->kind == TILE_Q6 ? ROUND / 2 : ROUND, rounds = (nblk + per - 1) / per;
+    const int slice = next ? (next->units + rounds - 1) / rounds : 0;
     for (int i = 0; i <= rounds; i++) {
         if (i < rounds) round_dots(t, q, a->k, i * per, nblk - i * per < per ? nblk - i * per : per, s[i & 1]);
+        if (next) decode_next(next, slice);
         if (i > 0) {
             const int b0 = (i - 1) * per;
             round_epilogue(t, a, r0, nr, b0, nblk - b0 < per ? nblk - b0 : per, s[(i - 1) & 1], d, m);

@@ -6,6 +6,10 @@
 #include <math.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "kernels.h"
 #include "simd.h"
 
@@ -20,7 +24,9 @@
 _Static_assert(ROW_TILE % 2 == 0, "a tile holds whole pairs of wide activation rows");
 /* software prefetch distance in the weight stream: the hardware prefetcher alone left T = 1 ~20%
    slower (perf-notes §12); a prefetch never faults, so reading past a matrix's end is harmless */
+#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
+#endif
 
 int kernel_abi(int64_t *out) {
     static const int kinds[] = {SD_Q4_1, SD_Q8_0, SD_Q5_0, SD_Q5_1, SD_Q4_K, SD_Q5_K, SD_Q6_K};
@@ -530,29 +536,51 @@ static inline void store_rows(const float out[][LANES], const act_q *a, int r0, 
 }
 
 #if SD_AMX
-/* matmul on tiles (amx.h): per group, its blocks decoded once into this thread's scratch, then
- * every tile of up to TILE_ROWS int8 rows over them; the tiles reconfigured only when a tile's row
- * count differs from the last one's (a ragged last tile). Decoding a round's blocks just before
- * its dots instead measured no faster: the tile and vector units overlap little here (perf-notes
- * §25). */
+static void decode_units(const sd_matrix *w, int g, int u0, int u1, tiles *t) {
+    kind_blocks(w, g, u0, u1, 0, NULL, 0, 0, NULL, t);
+}
+
+/* scratch for one group's decoded blocks (tile weights, scales, where each block's tile is) */
+static size_t tile_scratch_bytes(int nblk) { return (size_t)nblk * (512 + sizeof(tile_scales) + sizeof(uint8_t *)); }
+
+static tiles tile_scratch(uint8_t *base, int nblk, int type) {
+    return (tiles){(uint8_t (*)[8][64])base, (const uint8_t **)(base + (size_t)nblk * (512 + sizeof(tile_scales))),
+                   (tile_scales *)(base + (size_t)nblk * 512),
+                   type == SD_Q6_K ? TILE_Q6 : type == SD_Q8_0 || type == SD_Q5_0 ? TILE_DZ : TILE_DM, 0};
+}
+
+/* matmul on tiles (amx.h): each thread takes a contiguous range of groups; a group's blocks are
+ * decoded into one of two scratches while the previous group's tiles run over the other
+ * (tile_rows), then every tile of up to TILE_ROWS int8 rows runs over them; the tiles
+ * reconfigured only when a tile's row count differs from the last one's (a ragged last tile). */
 static SD_AMX_TARGET void matmul_tiles(const sd_matrix *w, const act_q *a, int arows, float *y, int ldy, int n_out,
                                        int accumulate, const float *bias) {
-    const int groups = w->rows / LANES, nblk = w->cols / QBLOCK, q6 = w->type == SD_Q6_K;
-    uint8_t raw[(size_t)nblk * (512 + sizeof(tile_scales) + sizeof(uint8_t *)) + 64];
+    const int groups = w->rows / LANES, nblk = w->cols / QBLOCK, units = w->cols / block_elems(w->type);
+    const size_t bytes = (tile_scratch_bytes(nblk) + 63) & ~(size_t)63;
+    uint8_t raw[2 * bytes + 64];
     uint8_t *base = raw + (64 - (uintptr_t)raw % 64) % 64;
-    tiles t = {(uint8_t (*)[8][64])base, (const uint8_t **)(base + (size_t)nblk * (512 + sizeof(tile_scales))),
-               (tile_scales *)(base + (size_t)nblk * 512),
-               q6 ? TILE_Q6 : w->type == SD_Q8_0 || w->type == SD_Q5_0 ? TILE_DZ : TILE_DM, 0};
+    tiles t[2] = {tile_scratch(base, nblk, w->type), tile_scratch(base + bytes, nblk, w->type)};
     int configured = 0;
+#ifdef _OPENMP
+    const int team = omp_get_num_threads();
+#else
+    const int team = 1;
+#endif
 #pragma omp for schedule(static)
-    for (int g = 0; g < groups; g++) {
-        kind_blocks(w, g, 0, w->cols / block_elems(w->type), 0, a, 0, 0, NULL, &t);
-        for (int r0 = 0; r0 < arows; r0 += TILE_ROWS) {
-            const int nr = arows - r0 < TILE_ROWS ? arows - r0 : TILE_ROWS;
-            if (nr != configured) tiles_config(configured = nr, q6);
-            float out[TILE_ROWS][LANES];
-            tile_rows(&t, a, r0, nr, nblk, out);
-            store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
+    for (int c = 0; c < team; c++) {           /* one range per thread, as schedule(static) would split */
+        const int g0 = (int)((int64_t)groups * c / team), g1 = (int)((int64_t)groups * (c + 1) / team);
+        if (g0 < g1) decode_units(w, g0, 0, units, &t[0]);
+        for (int g = g0; g < g1; g++) {
+            tiles *cur = &t[(g - g0) & 1];
+            tile_decoder next = {w, g + 1, 0, g + 1 < g1 ? units : 0, &t[(g - g0 + 1) & 1]};
+            for (int r0 = 0; r0 < arows; r0 += TILE_ROWS) {
+                const int nr = arows - r0 < TILE_ROWS ? arows - r0 : TILE_ROWS;
+                if (nr != configured) tiles_config(configured = nr, w->type == SD_Q6_K);
+                float out[TILE_ROWS][LANES];
+                tile_rows(cur, a, r0, nr, nblk, out, r0 == 0 ? &next : NULL);
+                store_rows(out, a, r0, nr, g, y, ldy, n_out, accumulate, bias);
+            }
+            decode_next(&next, units);        /* what the rounds left */
         }
     }
     _tile_release();

@@ -10,8 +10,9 @@
 # (SPECDEC_NATIVE_LIB, backend/runtime/native.py) in a Python that has libasan/libubsan preloaded
 # (the interpreter itself is not instrumented), and runs the suites that drive the kernel: ragged
 # rows, trees, every drafter, seeded sampling, cancelled and stopped rows, slot reuse, the ctypes
-# bounds checks, the EAGLE-3 feature layers, every block kind, wide activations, the AMX tile
-# path where the CPU has it (as the default, SPECDEC_ISA=auto, and forced on every row count). Fails on any
+# bounds checks, the EAGLE-3 feature layers, every block kind, wide activations, attention at head
+# sizes 32-256, the AMX tile path where the CPU has it (as the default, SPECDEC_ISA=auto, and
+# forced on every row count). Fails on any
 # sanitizer report (a report aborts the process; any log file left in work/sanitize/logs also
 # fails the run) or any failed test.
 # About 1 min on 2 cores (perf-notes §14).
@@ -35,7 +36,7 @@ export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_odr_v
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$PWD/$OUT/logs/ubsan
 export PYTHONFAULTHANDLER=1
 if [[ $# -eq 0 ]]; then
-    set -- tests/test_native.py tests/test_native_blocks.py tests/test_wide_activations.py tests/test_native_amx.py \
+    set -- tests/test_native.py tests/test_native_blocks.py tests/test_wide_activations.py tests/test_native_amx.py tests/test_native_attention.py \
         "tests/test_eagle3.py::test_target_engines_output_the_inputs_of_the_head_s_layers[cpu-gguf]" \
         "tests/test_eagle3.py::test_speculation_with_a_published_eagle3_head_is_lossless[cpu-gguf]"
 fi

@@ -71,14 +71,15 @@ class NativeBackend(EngineBackend):
         assert formats == (WeightFormat.GGUF,), formats
         t0 = time.time()
         ef = export_native(ctx.ck, ctx.ck.config.num_layers, ctx.max_seq_len, ctx.engine_dir / "target_gguf.bin")
-        wide, report = self._wide_activations(ctx, ctx.engine_dir / ef.path)
+        wide, report = self._wide_activations(ctx, ctx.engine_dir / ef.path, ef.weight_bytes_per_token)
         ef = replace(ef, feature_layers=ctx.features, wide_activations=wide, activations=report)
         return {WeightFormat.GGUF.value: ef}, {"gguf": time.time() - t0}
 
     @staticmethod
-    def _wide_activations(ctx, path):
+    def _wide_activations(ctx, path, weight_bytes: int):
         """The matrix families taking wide activations and the report (EngineFile.activations):
-        as --wide-activations names them, or measured on the calibration prompts (wide.py)."""
+        as --wide-activations names them, or measured on the calibration prompts (wide.py; a
+        sample of their positions past wide.SAMPLE_BYTES of weights a token)."""
         from backend.devices.native import wide
 
         given = ctx.option(NativeOptions).wide
@@ -93,7 +94,7 @@ class NativeBackend(EngineBackend):
         rt = NativeRuntime(path, ck.config, ck.config.num_layers, tokens + 1, RuntimeOptions(max_sequences=1))
         try:
             how = wide.choose if given == wide.FIDELITY else wide.decide
-            wide, report = how(rt, prompts, ctx.log, tokens)
+            wide, report = how(rt, prompts, ctx.log, tokens, wide.probe_positions(weight_bytes))
         finally:
             rt.close()
         ctx.log(f"wide activations: {list(wide) or 'none'} ({report['positions']} positions, {report['seconds']}s)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.build.checkpoint import SourceTensor
-from backend.engine_format import LANES, f16_bits, q8_blocks, repack
+from backend.engine_format import BLOCK_BYTES, BLOCK_ELEMS, LANES, f16_bits, q8_blocks, repack
 
 # GGUF type -> kernel kind (engine_format.KINDS), for the types the kernel reads as they are
 _KIND = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5_0", "Q5_1": "q5_1",
@@ -83,6 +83,15 @@ def _source_blocks(t: SourceTensor) -> tuple[str, dict]:
     u = lo | (hi << 4)
     scales = np.ascontiguousarray(blk[:, :, 192:208]).view(np.int8)
     return kind, dict(d=_f16(blk, 208), m=None, ints=u.reshape(n, -1), scales=scales)
+
+
+def layout(parts: list[SourceTensor]) -> tuple[str, tuple[int, int, int]]:
+    """What matrix(parts) will return, without reading a block: its kind and the shape of its data
+    [rows / 16, cols / block, block bytes] (the engine file's index is written before the data)."""
+    kinds = {kind_of(p) for p in parts}
+    kind = kinds.pop() if len(kinds) == 1 else "q8"
+    rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    return kind, (-(-rows // LANES), cols // BLOCK_ELEMS[kind], BLOCK_BYTES[kind])
 
 
 def matrix(parts: list[SourceTensor]) -> tuple[str, np.ndarray, int, int]:

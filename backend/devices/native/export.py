@@ -21,12 +21,23 @@ from pathlib import Path
 import numpy as np
 
 from backend.build.checkpoint import Checkpoint
-from backend.devices.native.blocks import kind_of, matrix as _matrix
+from backend.devices.native.blocks import kind_of, layout, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)
 from backend.manifest import EngineFile, WeightFormat
 from backend.runtime.native import norm_names
 
+
+def _blocks(parts) -> tuple:
+    """A matrix of the parts, repacked only when written (one matrix's blocks in memory at a
+    time: an 8B file's are 4.9-8.5 GB) -> kind, data shape, rows (padded), cols, make."""
+    kind, shape = layout(parts)
+    return kind, shape, shape[0] * LANES, parts[0].shape[1], lambda: _matrix(parts)[1]
+
+
+def _f32(a) -> tuple:
+    arr = np.ascontiguousarray(a, np.float32)
+    return "f32", arr.shape, 0, 0, lambda: arr
 
 
 def _fused_or_apart(prefix: str, names: tuple[str, ...], parts) -> dict:
@@ -35,16 +46,16 @@ def _fused_or_apart(prefix: str, names: tuple[str, ...], parts) -> dict:
     Q5_0 q/k with a Q8_0 v); forward.c runs the parts side by side."""
     fused = "qkv" if names[0] == "q" else "gate_up"
     if len({kind_of(p) for p in parts}) == 1:
-        return {f"{prefix}.{fused}": _matrix(parts)}
-    return {f"{prefix}.{n}": _matrix([p]) for n, p in zip(names, parts)}
+        return {f"{prefix}.{fused}": _blocks(parts)}
+    return {f"{prefix}.{n}": _blocks([p]) for n, p in zip(names, parts)}
 
 
 def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> EngineFile:
     from backend.engine_format import rope_tables
 
     cfg = ck.config
-    tensors: dict[str, tuple[str, np.ndarray, int, int]] = {}
-    f32 = lambda a: ("f32", np.ascontiguousarray(a, np.float32), 0, 0)
+    tensors: dict[str, tuple] = {}         # name -> kind, shape, rows, cols, make (the data)
+    f32 = _f32
     cos, sin = rope_tables(cfg, max_seq)
     tensors["rope_cos"], tensors["rope_sin"] = f32(cos), f32(sin)
     if any(cfg.local_rope(i) for i in range(num_layers)):      # the sliding layers' own base
@@ -52,12 +63,12 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
         tensors["rope_local_cos"], tensors["rope_local_sin"] = f32(cos), f32(sin)
     if "norm" in ck.tensors:                  # an EAGLE-1/2 head has none
         tensors["norm"] = f32(ck.tensor("norm").float32())
-    tensors["embed"] = _matrix([ck.tensor("embed")])
+    tensors["embed"] = _blocks([ck.tensor("embed")])
     if "fc" in ck.tensors:                    # an EAGLE head: x = fc([embedding, feature]) + bias
-        tensors["fc"] = _matrix([ck.tensor("fc")])
+        tensors["fc"] = _blocks([ck.tensor("fc")])
         tensors["fc_bias"] = f32(ck.tensor("fc_bias").float32())
     if "lm_head" in ck.tensors:
-        tensors["lm_head"] = _matrix([ck.tensor("lm_head")])
+        tensors["lm_head"] = _blocks([ck.tensor("lm_head")])
     for i in range(num_layers):
         t = lambda n: ck.tensor(f"layers.{i}.{n}")
         if f"layers.{i}.attn_norm" in ck.tensors:
@@ -69,26 +80,29 @@ def export_native(ck: Checkpoint, num_layers: int, max_seq: int, path: Path) -> 
             if f"layers.{i}.{name}" in ck.tensors:
                 tensors[f"layers.{i}.{name}"] = f32(t(name).float32())
         tensors.update(_fused_or_apart(f"layers.{i}", ("q", "k", "v"), [t("q"), t("k"), t("v")]))
-        tensors[f"layers.{i}.o"] = _matrix([t("o")])
+        tensors[f"layers.{i}.o"] = _blocks([t("o")])
         tensors.update(_fused_or_apart(f"layers.{i}", ("gate", "up"), [t("gate"), t("up")]))
-        tensors[f"layers.{i}.down"] = _matrix([t("down")])
+        tensors[f"layers.{i}.down"] = _blocks([t("down")])
         if cfg.attention_bias and f"layers.{i}.q_bias" in ck.tensors:
             tensors[f"layers.{i}.qkv_bias"] = f32(np.concatenate(
                 [t("q_bias").float32(), t("k_bias").float32(), t("v_bias").float32()]))
     index, offset = {}, 0
-    for name, (kind, arr, rows, cols) in tensors.items():
+    for name, (kind, shape, rows, cols, _) in tensors.items():
         offset = -(-offset // ALIGN) * ALIGN
-        index[name] = {"kind": kind, "offset": offset, "nbytes": int(arr.nbytes), "rows": rows,
-                       "cols": cols, "shape": list(arr.shape)}
-        offset += arr.nbytes
+        nbytes = int(np.prod(shape, dtype=np.int64)) * (4 if kind == "f32" else 1)
+        index[name] = {"kind": kind, "offset": offset, "nbytes": nbytes, "rows": rows, "cols": cols,
+                       "shape": list(shape)}
+        offset += nbytes
     header = json.dumps({"num_layers": num_layers, "max_positions": max_seq, "tensors": index}).encode()
     start = -(-(8 + len(header)) // ALIGN) * ALIGN
     with open(path, "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
-        for name, (_, arr, _, _) in tensors.items():
+        for name, (_, shape, _, _, make) in tensors.items():
+            arr = make()
+            assert arr.shape == tuple(shape), (name, arr.shape, shape)
             f.seek(start + index[name]["offset"])
-            f.write(arr.tobytes())
+            arr.tofile(f)
     gathered = {"rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"} | ({"embed"} if "lm_head" in tensors else set())
     per_token = sum(v["nbytes"] for k, v in index.items() if k not in gathered)
     return EngineFile(path=path.name, weights=WeightFormat.GGUF, num_layers=num_layers,

@@ -23,7 +23,15 @@ search removes from the reference rather than adding to nothing.
 Then the price (issue 44: a default costs no speed): the chosen families' plain decode step
 against int8's on this machine's matmul path (AMX tiles or VNNI), alternated in one process
 (price). Where wide costs more than MAX_COST of a plain step, the default is int8 and the report
-says what `--wide-activations` would buy (its agreement) and what it would cost. The report (the
+says what `--wide-activations` would buy (its agreement) and what it would cost.
+
+At the sizes users run (issue 53: an 8B's forward over a probe is minutes, and the search runs up
+to seven), the default measures no more than it needs: where int8 misses the bar, the family
+with the fewest dot products is priced alone first; every choice holds at least one family, so
+where that one already costs more than MAX_COST the default is int8 whatever the search would
+find, and the search is not run (`--wide-activations fidelity` runs it). A model reading more than
+SAMPLE_BYTES a token probes a sample of the prompts' positions (at least MIN_POSITIONS), and the
+price is read on one prefilled context, the settings alternated step by step. The report (the
 choice, the bar, every candidate measured, the price) goes into the manifest
 (EngineFile.activations).
 Knows: the measure and the order. Does not know: files beyond the engine it is given, devices.
@@ -47,6 +55,10 @@ PROBE_PROMPTS, PROBE_TOKENS = 24, 256
 # choice that trades speed for anything else is not the default past a 3% speed cost)
 MAX_COST = 0.03
 PRICE_CONTEXT, PRICE_STEPS, PRICE_REPS = 128, 16, 7
+PRICE_READING_S = 0.1          # a reading's steps: PRICE_STEPS, or fewer where a step is slower
+# the probe's positions past SAMPLE_BYTES of weights a token: PROBE_PROMPTS x PROBE_TOKENS scaled
+# down with the bytes, never below MIN_POSITIONS (the bar's sampling error there ~0.002)
+SAMPLE_BYTES, MIN_POSITIONS = 1_000_000_000, 1024
 
 
 FIDELITY = "fidelity"
@@ -91,12 +103,34 @@ def family_sizes(cfg) -> dict[str, int]:
             "lm_head": cfg.vocab_size * h}
 
 
-def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) -> tuple[tuple[str, ...], dict]:
+def probe_positions(weight_bytes: int | None) -> int | None:
+    """The most positions the probe reads for an engine of `weight_bytes` a token (None: all)."""
+    if not weight_bytes or weight_bytes <= SAMPLE_BYTES:
+        return None
+    return max(MIN_POSITIONS, PROBE_PROMPTS * PROBE_TOKENS * SAMPLE_BYTES // weight_bytes)
+
+
+def _sample(prompts: list[list[int]], max_tokens: int, positions: int | None) -> list[np.ndarray]:
+    """The probe: the first PROBE_PROMPTS prompts cut to max_tokens, and the whole of them no
+    longer than `positions` (the last one cut)."""
+    probe, left = [], positions if positions is not None else float("inf")
+    for p in prompts[:PROBE_PROMPTS]:
+        ids = np.asarray(p[:min(max_tokens, left)], np.int64)
+        if ids.size:
+            probe.append(ids)
+            left -= ids.size
+    return probe
+
+
+def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS, positions: int | None = None,
+           gate=None) -> tuple[tuple[str, ...], dict]:
     """The wide families for the engine `rt` runs (runtime/native.py NativeRuntime; left with
     none wide) and the report for the manifest; each prompt cut to max_tokens (at most the
-    engine's positions)."""
+    engine's positions), all of them to `positions` (probe_positions). gate: asked once int8 has
+    missed the bar, before the search; a report to end with int8 (decide's price of the cheapest
+    family), or None to search."""
     t0 = time.time()
-    probe = [np.asarray(p[:max_tokens], np.int64) for p in prompts[:PROBE_PROMPTS]]
+    probe = _sample(prompts, max_tokens, positions)
     families = tuple(WIDE_FAMILIES)
     rt.model.set_wide(families)
     reference = _top1(rt, probe)
@@ -111,6 +145,12 @@ def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) ->
         return a
 
     chosen, best = (), agreement(())
+    stop = gate() if gate is not None and best < BAR else None
+    if stop is not None:
+        rt.model.set_wide(())
+        return (), {"wide": [], "chosen_by": "measured, priced", "bar": BAR, "meets_bar": False,
+                    "reference": "every family wide", "prompts": len(probe), "positions": int(reference.size),
+                    "measured": measured, "searched": False, "price": stop, "seconds": round(time.time() - t0, 1)}
     if best < BAR:
         chosen, best = families, 1.0                   # the reference itself
         sizes = family_sizes(rt.config)
@@ -126,49 +166,78 @@ def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) ->
     return chosen, report
 
 
-def _step_ms(rt, wide: tuple[str, ...], context: np.ndarray, steps: int) -> float:
-    """The median plain decode step (one token, B = 1) after `context`, with `wide` families."""
-    rt.model.set_wide(wide)
+def _steps(rt, context: np.ndarray, clock=time.perf_counter):
+    """One sequence prefilled with `context` -> a function timing `n` plain decode steps after it
+    (one token, B = 1; the context stays put) by `clock` -> the median step in ms."""
     rt.alloc(0)
     rt.forward([0], context[None], np.arange(-1, context.size - 1, dtype=np.int32)[None], np.full((1, 1), context.size - 1))
     rt.commit([0], [np.arange(context.size)])
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        rt.forward([0], np.array([[context[i % context.size]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
-        times.append(time.perf_counter() - t0)
-        rt.commit([0], [np.array([], np.int64)])       # the context stays PRICE_CONTEXT long
-    rt.free(0)
-    return 1000 * float(np.median(times))
+
+    def median_ms(n: int) -> float:
+        times = []
+        for i in range(n):
+            t0 = clock()
+            rt.forward([0], np.array([[context[i % context.size]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
+            times.append(clock() - t0)
+            rt.commit([0], [np.array([], np.int64)])
+        return 1000 * float(np.median(times))
+    return median_ms
 
 
 def price(rt, wide: tuple[str, ...], prompt: list[int], log) -> dict:
     """What `wide` costs a plain decode step against int8 on this machine's matmul path, after a
-    context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter): the two
-    alternated PRICE_REPS + 1 times (medians of PRICE_STEPS steps each; each setting's first two
-    readings a warm-up) ->
-    {"path", "step_ms_int8", "step_ms_wide", "cost", "max_cost"}; rt left with none wide."""
+    context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter), prefilled once:
+    the two alternated PRICE_REPS + 1 times (medians of PRICE_STEPS steps each, fewer where a step
+    is slower than PRICE_READING_S / PRICE_STEPS; each setting's first two readings a warm-up) ->
+    {"families", "path", "clock", "step_ms_int8", "step_ms_wide", "cost", "max_cost",
+    "steps_per_reading"}; rt left with none wide. Timed on one engine thread by its CPU time: on a
+    machine other processes load, wall-clock steps measured their time slices (a build read +2.9%
+    where another, the same hour, read +21.9%, and chose wide by default on the first: perf-notes
+    §38)."""
     from backend.runtime import native
+    from backend.runtime.cores import CoreGovernor
 
     n = min(PRICE_CONTEXT, len(prompt))                 # a tiny model's positions may be fewer
-    context = np.asarray(list(prompt)[:n], np.int64)
+    median_ms = _steps(rt, np.asarray(list(prompt)[:n], np.int64), time.thread_time)    # prefilled on every core
     narrow, wider = [], []
-    for rep in range(PRICE_REPS + 1):
-        for w in ((), wide) if rep % 2 else (wide, ()):
-            (narrow if not w else wider).append(_step_ms(rt, w, context, PRICE_STEPS))
+    governor, rt.governor = rt.governor, CoreGovernor(1, on=False)
+    try:
+        steps = int(np.clip(round(PRICE_READING_S * 1000 / max(median_ms(1), 1e-3)), 2, PRICE_STEPS))
+        for rep in range(PRICE_REPS + 1):
+            for w in ((), wide) if rep % 2 else (wide, ()):
+                rt.model.set_wide(w)
+                (narrow if not w else wider).append(median_ms(steps))
+    finally:
+        rt.governor = governor
+    rt.free(0)
     rt.model.set_wide(())
     a, b = float(np.median(narrow[2:])), float(np.median(wider[2:]))
-    out = {"path": native.isa(), "step_ms_int8": round(a, 3), "step_ms_wide": round(b, 3),
-           "cost": round(b / a - 1, 4), "max_cost": MAX_COST}
+    out = {"families": list(wide), "path": native.isa(), "clock": "thread CPU time, one engine thread",
+           "step_ms_int8": round(a, 3), "step_ms_wide": round(b, 3), "cost": round(b / a - 1, 4),
+           "max_cost": MAX_COST, "steps_per_reading": steps}
     log(f"wide activations {list(wide)} cost a plain decode step {100 * out['cost']:+.1f}% "
-        f"({b:.2f} vs {a:.2f} ms, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
+        f"({b:.2f} vs {a:.2f} ms CPU on one thread, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
     return out
 
 
-def decide(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS) -> tuple[tuple[str, ...], dict]:
+def decide(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS,
+           positions: int | None = None) -> tuple[tuple[str, ...], dict]:
     """The default: the families `choose` finds by fidelity, priced on this machine; int8 where
-    they cost more than MAX_COST, the report saying what they would buy and cost."""
-    wide, report = choose(rt, prompts, log, max_tokens)
+    they cost more than MAX_COST, the report saying what they would buy and cost. The search runs
+    only where the family with the fewest dot products, priced alone, costs MAX_COST or less."""
+    sizes = family_sizes(rt.config)
+    cheapest = min(WIDE_FAMILIES, key=sizes.get)
+
+    def gate():
+        p = price(rt, (cheapest,), prompts[0][:max_tokens - PRICE_STEPS], log)
+        if p["cost"] <= MAX_COST:
+            return None
+        log(f"wide activations: int8 by default here, the search not run (every choice holds a family, and "
+            f"{cheapest}, the cheapest, alone costs {100 * p['cost']:.1f}% of a plain step); "
+            f"--wide-activations fidelity runs it")
+        return p
+
+    wide, report = choose(rt, prompts, log, max_tokens, positions, gate)
     if not wide:
         return wide, report
     report["price"] = price(rt, wide, prompts[0][:max_tokens - PRICE_STEPS], log)

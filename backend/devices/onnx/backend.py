@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 from backend.devices.base import BuildContext, EngineBackend, EngineRef
 from backend.manifest import Device, DraftEntry, EngineFile, WeightFormat
 
@@ -59,11 +61,38 @@ def export_eagle(ctx: BuildContext, head: Path) -> tuple[str, DraftEntry]:
     return "eagle", entry
 
 
+# A graph's build holds its weights about three times over (the numpy arrays, the ONNX protos, the
+# external-data write; then ONNX Runtime's session for the batch-invariance check): peaks measured
+# on SmolLM2-135M, 2.13 GB for the 0.65 GB fp32 engine, 0.84 GB for the 0.23 GB q4 one
+# (perf-notes §37); Llama-3.2-3B's fp32 (12.9 GB) was killed at 24 GB (issue 53).
+BUILD_FACTOR = 3
+_EIGHT_BIT = {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"}     # kept 8-bit by q4 (build/quant.py), scale per 16
+
+
+def graph_bytes(ck, fmt: WeightFormat) -> int:
+    """About the bytes of the ONNX engine of `fmt`: the embedding float32 (gathered) in both; fp32
+    every matrix in float32 (the tied head a second copy); q4 4-bit blocks with a float32 scale and
+    offset per 32 (0.75 B a weight), 8-bit ones where the GGUF's are (1.25 B)."""
+    total = 0
+    for name, t in ck.tensors.items():
+        n = int(np.prod(t.shape))
+        if name == "embed":
+            total += 4 * n * (2 if fmt is WeightFormat.FP32 and "lm_head" not in ck.tensors else 1)
+        elif len(t.shape) == 2:
+            total += 4 * n if fmt is WeightFormat.FP32 else int(n * (1.25 if t.qtype in _EIGHT_BIT else 0.75))
+        else:
+            total += 4 * n
+    return total
+
+
 class OrtBackend(EngineBackend):
     name = "onnxruntime"
     device = Device.CPU
     formats = (WeightFormat.FP32, WeightFormat.Q4)
     defaults = (WeightFormat.FP32, WeightFormat.Q4)
+
+    def build_bytes(self, ck, fmt):
+        return BUILD_FACTOR * graph_bytes(ck, fmt)
 
     def export_targets(self, ctx, formats):
         engines, timings = {}, {}

@@ -27,7 +27,7 @@ class TritonPythonModel:
                 inputs = triton_glue.request_inputs(request)
                 text = triton_io.prompt_text(inputs, self.tok.apply_chat_template)
                 ids = np.asarray(self.tok.encode(text, add_special_tokens=True), np.int32)
-                parsed = triton_io.parse(inputs, ids)
+                parsed = triton_io.parse(inputs, ids, context=self.limits.max_seq_len)
                 validate_request(parsed.request, self.limits)
                 arrays = {triton_io.INPUT_IDS: ids[None] if parsed.batched else ids}
                 responses.append(pb_utils.InferenceResponse(output_tensors=triton_glue.tensors(
