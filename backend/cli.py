@@ -99,7 +99,7 @@ def _kernel_line() -> str:
     if not native.compiled():
         return ""
     try:
-        return f"  kernel   {native.isa()} (native CPU engine; SPECDEC_ISA=auto|amx|avx512|avx2)\n"
+        return f"  kernel   {native.isa()} (native CPU engine; SPECDEC_ISA={'|'.join(native.ISAS)})\n"
     except Exception as exc:                     # noqa: BLE001 - the server's own load reports it too
         return f"  kernel   not loadable here: {exc}\n"
 
@@ -113,7 +113,7 @@ def cmd_bench_engine(args) -> int:
     bad = next((i for i in isas if i not in engine_bench.ISAS), None)
     if bad is not None:
         raise UserError(f"--isa: {bad!r} is not one of {', '.join(engine_bench.ISAS)} "
-                        f"(SPECDEC_ISA=avx2 loads another library: set it for the whole run instead)")
+                        f"(SPECDEC_ISA=avx2 or avx-vnni loads another library: set it for the whole run instead)")
     m = EngineManifest.load(_engine_dir(args))
     if args.builds:
         pairs = [b.partition("=") for b in args.builds.split(";")]

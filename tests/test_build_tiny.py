@@ -1,5 +1,5 @@
 """Checkpoints the tests make themselves: tiny random HF directories (Llama with tied embeddings,
-Qwen2 with q/k/v bias) go through load, build (fp32 + 4-bit) and a forward that matches
+Qwen2 with random q/k/v biases) go through load, build (fp32 + 4-bit) and a forward that matches
 transformers; GGUF block decoding matches the gguf package; clear errors for what we refuse."""
 import json
 
@@ -38,7 +38,10 @@ def test_tiny_hf_checkpoint_build_and_forward(tmp_path, arch):
     assert m.engine("q4").weight_bytes_per_token < 0.5 * fp32
     tied = "lm_head" not in ck.tensors          # an untied embedding is read one row per token
     assert m.source_bytes_per_token == sum(t.raw.nbytes for k, t in ck.tensors.items() if k != "embed" or tied)
-    for fmt, tol in (("fp32", 1e-4), ("q4", 0.15)):
+    # q4 within its 4-bit rounding: conftest's Qwen2 has the architecture tests' wider weights
+    # (init 0.08, random norms and biases), where 4-bit rows move the logits more (0.13-0.18 over
+    # seeds 0-2; Mistral's alike 0.20-0.38) than the Llama's 0.02 init does (0.05-0.06)
+    for fmt, tol in (("fp32", 1e-4), ("q4", {"llama": 0.15, "qwen2": 0.25}[arch])):
         rt = load_runtime(m, fmt)
         rt.alloc(0)
         out = rt.forward([0], ids[None], chain(ids.size), np.arange(ids.size)[None])

@@ -138,23 +138,29 @@ def test_the_build_measures_w8a8_against_w8a16_by_width_on_the_linears_the_gpu_r
     """w8a8.measure times every hardware linear both ways at each width from FLOOR (a fake timer
     that runs the call and prices what ran: W8A8 cheaper from 512 rows), so W8A8 runs from 512;
     below FLOOR nothing is measured; a weight-only engine has nothing to measure; the model's
-    mode is restored."""
+    mode is restored. The W8A16 calls are recorded, not computed (kernels.linear_w8 at up to 2048
+    rows in the interpreter cost ~85 s of CPU here; its bits: the tests above and
+    test_the_real_timer_runs_both_kernels_at_each_width, which runs it inside measure)."""
     from backend.devices.cuda import w8a8
 
     calls = _forced_hardware(monkeypatch)
     rt = _runtime_on_random_weights(torch.bfloat16, invariant=False, recipe=fp8.recipe("channel-token"))
+    w8 = []
+    monkeypatch.setattr(K, "linear_w8", lambda x, q, *a, **k: w8.append(x.shape[0]) or x.new_zeros(x.shape[0], q.shape[0]))
     seen = []
 
     def timer(fn, reps, device):
         calls.clear()
+        w8.clear()
         fn()
+        assert not (calls and w8), "one way per call"
         if calls:                                  # W8A8: every linear through the scaled GEMM
             assert len(calls) == 8 and len(set(calls)) == 1
             seen.append(("w8a8", calls[0]))
             return 10 + 0.01 * calls[0]
-        w = seen[-1][1]
-        seen.append(("w8a16", w))
-        return 5 + 0.03 * w
+        assert len(w8) == 8 and len(set(w8)) == 1  # W8A16: every linear through kernels.linear_w8
+        seen.append(("w8a16", w8[0]))
+        return 5 + 0.03 * w8[0]
 
     r = w8a8.measure(rt.model, 2048, timer=timer)
     assert [m["width"] for m in r["measured"]] == list(w8a8.WIDTHS)

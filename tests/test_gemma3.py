@@ -83,8 +83,9 @@ def test_incremental_decode_and_tree_branches(gemma, fmt):
 @pytest.mark.parametrize("fmt", ["fp32", "q4", "gguf"])
 def test_greedy_speculation_is_plain(gemma, fmt):
     m, _ = gemma
+    plain = None
     for kind in ("prompt-lookup", "draft-model"):         # the draft model: self:1, the first layer
-        assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4), kind)
+        plain = assert_greedy_identity(spec_decoder(m, fmt, num_draft_tokens=4), kind, plain)
 
 
 def test_manifest_round_trip(gemma):

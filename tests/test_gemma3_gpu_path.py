@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (assert_compiles, assert_greedy_identity, assert_verify_equals_steps_along_paths,
+from conftest import (assert_compiles, assert_spec_is_plain, assert_verify_equals_steps_along_paths,
                       decode_and_branch_errors, device_env, hf_logits, make_tiny_checkpoint, plugin_attention_case,
-                      prefill_logits, rel_err, spec_decoder, tree_branch_error)
+                      prefill_logits, rel_err, tree_branch_error)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -163,24 +163,34 @@ def gemma_ckpt(tmp_path_factory):
     return d, ckpt, hf
 
 
+# the FP8 engines' recipe, named: the build's own choice tries every recipe on this random model
+# (~50 s of CPU per build here; the choice is test_fp8_recipes'); static input scales, the path
+# with act_scale tensors, and GPTQ rounding
+FP8 = "channel-tensor+gptq"
+
+
 @pytest.fixture(scope="module")
 def cuda_build(gemma_ckpt):
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices.cuda import Fp8Options
 
     d, ckpt, hf = gemma_ckpt
     m = build(BuildConfig(target=str(ckpt), output=d / "cuda", device=Device.CUDA, quiet=True, measure_costs=False,
-                          weights=(WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8), drafts=("self:1",)))
+                          weights=(WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP8), drafts=("self:1",),
+                          options=(Fp8Options(FP8),)))
     return m, hf
 
 
 @pytest.fixture(scope="module")
 def trt_build(gemma_ckpt):
     from backend.build.pipeline import BuildConfig, build
+    from backend.devices.cuda import Fp8Options
 
     d, ckpt, hf = gemma_ckpt
     mp = device_env("tensorrt")                        # the engine graph on ONNX Runtime (references)
     m = build(BuildConfig(target=str(ckpt), output=d / "trt", device=Device.TENSORRT, quiet=True,
-                          measure_costs=False, weights=(WeightFormat.FP32, WeightFormat.FP8), drafts=("self:1",)))
+                          measure_costs=False, weights=(WeightFormat.FP32, WeightFormat.FP8), drafts=("self:1",),
+                          options=(Fp8Options(FP8),)))
     yield m, hf
     mp.undo()
 
@@ -217,9 +227,9 @@ def test_cuda_build_prefill_past_the_window_matches_transformers(cuda_build):
         rt.close()
     assert errs["fp32"] < 1e-4 and errs["bf16"] < 3e-2 and errs["fp8"] < 0.3, errs
     tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(m.resolve(m.engine("fp8").path)))
-    static = m.engines["fp8"].fp8["recipe"]["inputs"] == "tensor"          # the recipe the build chose
+    assert m.engines["fp8"].fp8["recipe"]["inputs"] == "tensor" and m.engines["fp8"].fp8["recipe"]["gptq"]
     assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.w_scale"].dtype == torch.float32
-    assert ("layers.0.qkv.act_scale" in tensors) == static
+    assert tensors["layers.0.qkv.act_scale"].dtype == torch.float32 and "layers.2.down.act_scale" in tensors
     assert tensors["layers.0.q_norm"].dtype == torch.bfloat16 and tensors["layers.2.post_mlp_norm"].shape == (64,)
 
 
@@ -253,8 +263,8 @@ def test_cuda_build_incremental_decode_and_tree_branches(cuda_build):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model"])
-def test_cuda_build_greedy_speculation_is_plain(cuda_build, kind):
-    assert_greedy_identity(spec_decoder(cuda_build[0], "fp32", num_draft_tokens=4), kind)
+def test_cuda_build_greedy_speculation_is_plain(cuda_build, kind, plain_tokens):
+    assert_spec_is_plain(plain_tokens, cuda_build[0], "fp32", kind, num_draft_tokens=4)
 
 
 @pytest.mark.slow
@@ -296,11 +306,12 @@ def test_tensorrt_build_matches_transformers(trt_build):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model"])
-def test_tensorrt_build_greedy_speculation_is_plain_with_verification_in_the_graph(trt_build, kind, monkeypatch):
+def test_tensorrt_build_greedy_speculation_is_plain_with_verification_in_the_graph(trt_build, kind, monkeypatch,
+                                                                                  plain_tokens):
     from backend.runtime import engine_rt
 
     monkeypatch.setattr(engine_rt, "verify_on_host", lambda *a: pytest.fail("verified on the host"))
-    assert_greedy_identity(spec_decoder(trt_build[0], "fp32", num_draft_tokens=4), kind)
+    assert_spec_is_plain(plain_tokens, trt_build[0], "fp32", kind, num_draft_tokens=4)
 
 
 @pytest.mark.slow

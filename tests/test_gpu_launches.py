@@ -119,30 +119,16 @@ def count_step(rt, ids: np.ndarray, parents: np.ndarray, monkeypatch) -> Launche
     return mode
 
 
-def step_counts(tmp_path, arch: str, monkeypatch) -> dict:
-    """{"decode" | "verify": (per layer Counter, outside Counter)} of `arch`'s tiny model."""
-    rt = tiny_runtime(tmp_path, arch)
-    prompt = np.random.default_rng(0).integers(3, 300, (1, 7))
-    rt.alloc(0)
-    rt.forward([0], prompt, np.arange(-1, 6, dtype=np.int32)[None], np.array([[6]]))
-    rt.commit([0], [np.arange(7)])
+def step_counts(rt) -> dict:
+    """{"decode" | "verify": (per layer Counter, outside Counter)}: a decode step (one token) and a
+    verify step (a 4-node tree) on slot 0 of `rt`, after its prefill."""
     out = {}
     for name, parents in (("decode", np.array([[-1]], np.int32)), ("verify", np.array([[-1, 0, 0, 1]], np.int32))):
         ids = np.random.default_rng(1).integers(3, 300, parents.shape)
-        mode = count_step(rt, ids, parents, monkeypatch)
+        with pytest.MonkeyPatch.context() as mp:
+            mode = count_step(rt, ids, parents, mp)
         out[name] = (mode.per_layer(LAYERS), mode.counts.get("outside", Counter()))
     return out
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_gpu_steps_launches_per_layer_and_outside_the_layers(tmp_path, arch, monkeypatch):
-    counts = step_counts(tmp_path, arch, monkeypatch)
-    for name, (layer, outside) in counts.items():
-        print(f"{arch} {name}: {sum(layer.values())} per layer {dict(layer)}; "
-              f"{sum(outside.values())} outside {dict(outside)}")
-    for name, (layer, outside) in counts.items():
-        assert sum(layer.values()) <= REACHED_PER_LAYER, (arch, name, layer)
-        assert sum(outside.values()) <= REACHED_OUTSIDE, (arch, name, outside)
 
 
 def _prefill_and_tree(rt) -> tuple[np.ndarray, np.ndarray]:
@@ -156,51 +142,77 @@ def _prefill_and_tree(rt) -> tuple[np.ndarray, np.ndarray]:
     return a, b.logits.copy()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(arch, dtype, split) -> {fused: (prefill logits, tree logits, KV cache after them, launch
+    counts, the model's final logit soft-cap)}: the fused step (TorchModel.fused, the default) and the unfused invariant path on the
+    same tiny model, each run once for every test below; the launches counted (bf16) on the fused
+    runtime after its prefill and tree, the cache taken before. split: the plan's split thresholds
+    scaled to the tiny models (K 64 and 128; a real model splits where its column tiles leave SMs
+    idle, kernels.linear_plan), so the qkv, o and down linears split K."""
+    made = {}
+
+    def get(arch: str, dtype=torch.bfloat16, split: bool = False) -> dict:
+        if (arch, dtype, split) not in made:
+            out = {}
+            with pytest.MonkeyPatch.context() as mp:
+                if split:
+                    mp.setattr(K, "SPLIT_MIN_K", 16)
+                    mp.setattr(K, "SPLIT_BLOCK_K", 16)
+                for fused in (True, False):
+                    rt = tiny_runtime(tmp_path_factory.mktemp(arch), arch, dtype=dtype)
+                    rt.model.fused = fused
+                    a, b = _prefill_and_tree(rt)
+                    cache = rt.cache.clone()
+                    counts = step_counts(rt) if fused and dtype == torch.bfloat16 else None
+                    out[fused] = (a, b, cache, counts, rt.config.final_logit_softcap)
+            made[arch, dtype, split] = out
+        return made[arch, dtype, split]
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gpu_steps_launches_per_layer_and_outside_the_layers(runs, arch):
+    counts = runs(arch)[True][3]
+    for name, (layer, outside) in counts.items():
+        print(f"{arch} {name}: {sum(layer.values())} per layer {dict(layer)}; "
+              f"{sum(outside.values())} outside {dict(outside)}")
+    for name, (layer, outside) in counts.items():
+        assert sum(layer.values()) <= REACHED_PER_LAYER, (arch, name, layer)
+        assert sum(outside.values()) <= REACHED_OUTSIDE, (arch, name, outside)
+
+
 @pytest.mark.parametrize("arch,dtype", [(a, torch.bfloat16) for a in ARCHS] + [("gemma3", torch.float32)])
-def test_the_fused_forward_is_the_unfused_kernels_bit_for_bit(tmp_path, arch, dtype):
+def test_the_fused_forward_is_the_unfused_kernels_bit_for_bit(runs, arch, dtype):
     """The fused step (plugins/fused.py) against the unfused invariant path (TorchModel.fused
     False: the kernels linear / rmsnorm / tree_attention and torch ops between them): a prefill's
     and a tree's logits and the KV cache they wrote, bit for bit; where the model soft-caps its
     logits (Gemma-2) the cap's tanh is the kernel's (kernels._tanh), within float32 rounding. In
     float32 no bf16 rounding hides the activation's exp / tanh (the backend's, not torch's): the
     first layer's KV bit for bit, what follows its MLP within 1e-5."""
-    runs = []
-    for fused in (True, False):
-        rt = tiny_runtime(tmp_path / str(fused), arch, dtype=dtype)
-        rt.model.fused = fused
-        runs.append((*_prefill_and_tree(rt), rt.cache.clone()))
-    (a1, b1, c1), (a0, b0, c0) = runs
+    (a1, b1, c1, _, softcap), (a0, b0, c0, _, _) = runs(arch, dtype)[True], runs(arch, dtype)[False]
     if dtype == torch.float32:
         assert torch.equal(c1[0], c0[0]) and float((c1 - c0).abs().max()) < 1e-5 * float(c0.abs().max())
         assert max(np.abs(a1 - a0).max(), np.abs(b1 - b0).max()) < 1e-5 * np.abs(a0).max()
         return
     assert torch.equal(c1, c0)
-    if rt.config.final_logit_softcap:
-        assert max(np.abs(a1 - a0).max(), np.abs(b1 - b0).max()) < 1e-6 * rt.config.final_logit_softcap
+    if softcap:
+        assert max(np.abs(a1 - a0).max(), np.abs(b1 - b0).max()) < 1e-6 * softcap
     else:
         assert np.array_equal(a1, a0) and np.array_equal(b1, b0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_split_k_linears_keep_the_fused_steps_launches_and_bits(tmp_path, arch, monkeypatch):
-    """With the plan's split thresholds scaled to the tiny models (K 64 and 128; a real model
-    splits where its column tiles leave SMs idle, kernels.linear_plan), the qkv, o and down
+def test_split_k_linears_keep_the_fused_steps_launches_and_bits(runs, arch):
+    """With the plan's split thresholds scaled to the tiny models (runs), the qkv, o and down
     linears split K and the fused step reduces their partials in rope_kv and add_rmsnorm: still
     8 launches per layer, no reduction launch; the logits and KV the unfused path's (split
     linears reduced by their own kernel) bit for bit. Qwen2: a qkv bias; Gemma-3: q/k and post
     norms."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "SPLIT_MIN_K", 16)
-        mp.setattr(K, "SPLIT_BLOCK_K", 16)
-        counts = step_counts(tmp_path / "counts", arch, monkeypatch)
-        for name, (layer, outside) in counts.items():
-            assert layer["linear_split_kernel"] == 3 and "linear_kernel" not in layer, (name, layer)
-            assert sum(layer.values()) <= REACHED_PER_LAYER and "split_reduce_kernel" not in layer, (name, layer)
-            assert sum(outside.values()) <= REACHED_OUTSIDE, (name, outside)
-        runs = []
-        for fused in (True, False):
-            rt = tiny_runtime(tmp_path / str(fused), arch)
-            rt.model.fused = fused
-            runs.append((*_prefill_and_tree(rt), rt.cache.clone()))
-    (a1, b1, c1), (a0, b0, c0) = runs
+    got = runs(arch, split=True)
+    for name, (layer, outside) in got[True][3].items():
+        assert layer["linear_split_kernel"] == 3 and "linear_kernel" not in layer, (name, layer)
+        assert sum(layer.values()) <= REACHED_PER_LAYER and "split_reduce_kernel" not in layer, (name, layer)
+        assert sum(outside.values()) <= REACHED_OUTSIDE, (name, outside)
+    (a1, b1, c1, _, _), (a0, b0, c0, _, _) = got[True], got[False]
     assert torch.equal(c1, c0) and np.array_equal(a1, a0) and np.array_equal(b1, b0)

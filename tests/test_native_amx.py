@@ -1,11 +1,8 @@
 """AMX tiles (plugins/native/amx.h) give the VNNI path's bits: for every weight kind the kernel
 reads, wide activations on and off, 1..64 rows, ragged tiles and 1 and 2 threads, the matmul on
 tiles equals the matmul without them bit for bit; a whole engine's logits (batch of rows, trees,
-wide families) likewise. On a CPU without AMX these tests skip and say so; SPECDEC_ISA's refusals
-are tested everywhere."""
-import subprocess
-import sys
-
+wide families) likewise. On a CPU without AMX these tests skip and say so. The other paths
+(AVX-512 VNNI, AVX-VNNI, AVX2) against each other, and SPECDEC_ISA: tests/test_native_isa.py."""
 import numpy as np
 import pytest
 
@@ -74,27 +71,3 @@ def test_an_engine_s_logits_on_tiles_equal_the_vnni_path_s(tiny_native_engine):
     for a, b, c in zip(vnni, tiles, auto):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
         assert np.array_equal(a.view(np.uint32), c.view(np.uint32))
-
-
-def _isa_in_subprocess(value: str) -> subprocess.CompletedProcess:
-    code = "import backend.runtime.native as n; print(n.isa())"
-    env = {"SPECDEC_ISA": value, "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-
-
-def test_specdec_isa_selects_the_path_or_refuses_clearly():
-    auto = _isa_in_subprocess("auto")
-    assert auto.returncode == 0, auto.stderr
-    assert auto.stdout.strip() in (("amx",) if HAS_TILES else ("avx512-vnni", "avx-vnni", "avx2")), auto.stdout
-    bad = _isa_in_subprocess("sse2")
-    assert bad.returncode != 0 and "SPECDEC_ISA='sse2': expected one of auto, amx, avx512, avx2" in bad.stderr
-    amx = _isa_in_subprocess("amx")
-    if HAS_TILES:
-        assert amx.stdout.strip() == "amx"
-    else:
-        assert amx.returncode != 0 and "SPECDEC_ISA=amx" in amx.stderr
-    if auto.stdout.strip() in ("amx", "avx512-vnni"):
-        assert _isa_in_subprocess("avx512").stdout.strip() == "avx512-vnni"
-        narrow = _isa_in_subprocess("avx2")
-        assert narrow.returncode == 0, narrow.stderr
-        assert narrow.stdout.strip() in ("avx2", "avx-vnni")

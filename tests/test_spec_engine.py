@@ -40,14 +40,14 @@ def plain(built_repo, prompts):
     return [generate(dec, ids, DrafterKind.NONE)[0] for ids in prompts]
 
 
-HAS_HEAD = (__import__("backend.build.embedded", fromlist=["DEFAULT_HEAD"]).DEFAULT_HEAD / "model.safetensors").exists()
 CONFIGS = [
     ("prompt-lookup", dict(num_draft_tokens=3)),
     ("prompt-lookup", dict(num_draft_tokens=6, prompt_lookup_width=2)),
     ("prompt-lookup", dict()),                                   # adaptive K
     ("draft-model", dict(num_draft_tokens=2)),
     ("draft-model", dict(num_draft_tokens=4, draft_width=2)),
-] + ([("eagle", dict(num_draft_tokens=12)), ("eagle", dict()), ("lookup+eagle", dict())] if HAS_HEAD else [])
+    ("eagle", dict(num_draft_tokens=12)), ("eagle", dict()), ("lookup+eagle", dict()),   # the committed head
+]
 
 
 @pytest.mark.parametrize("kind,spec", CONFIGS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CONFIGS)])
@@ -77,7 +77,6 @@ def test_mixed_batch_identical_to_plain(built_repo, prompts, plain):
     assert got == plain
 
 
-@pytest.mark.skipif(not HAS_HEAD, reason="no trained EAGLE head committed")
 def test_eagle_batch_identical_to_plain(built_repo, prompts, plain):
     """Feature drafters in a batch: each row's hidden states reach its own drafter."""
     dec = decoder(built_repo, num_draft_tokens=8)
@@ -110,7 +109,7 @@ def test_seeded_sampling_is_the_same_text_with_any_drafter_budget_and_batch(buil
     p = SamplingParams(temperature=0.7, top_k=50, top_p=0.95, max_tokens=MAX_NEW, seed=2024)
     ids = prompts[0]                                  # an edit prompt: lookup drafts a lot
     ref = generate(decoder(built_repo), ids, DrafterKind.NONE, p)[0]
-    kinds = [DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL] + [DrafterKind.EAGLE] * HAS_HEAD
+    kinds = [DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL, DrafterKind.EAGLE]
     drafted = 0
     for k in (2, 6):
         dec = decoder(built_repo, num_draft_tokens=k)
@@ -128,7 +127,6 @@ def test_seeded_sampling_is_the_same_text_with_any_drafter_budget_and_batch(buil
     assert run_batch(dec, seqs)[0] == ref
 
 
-@pytest.mark.skipif(not HAS_HEAD, reason="no trained EAGLE head committed")
 def test_eagle_acceptance_survives_speculation_off_and_on(built_repo, prompts, plain):
     """Known failure elsewhere: acceptance silently collapsing after re-enabling speculation."""
     dec = decoder(built_repo, num_draft_tokens=12)

@@ -57,8 +57,8 @@ def runtime(tmp_path, graphs: bool):
 
 
 def _drafts(rng, roots, greedy_chain) -> list[Draft]:
-    """Row 0: the greedy continuation as a chain (accepted in full); row 1: a branching tree of
-    random tokens; row 2: a single node."""
+    """Row 0: a chain (the greedy continuation at the first step: accepted in full); row 1: a
+    branching tree of random tokens; row 2: a single node."""
     trees = [TokenTree.chain(len(greedy_chain)), TokenTree.from_parents(np.array([-1, 0, 0, 1, 1], np.int32)),
              TokenTree.chain(0)]
     toks = [np.array([roots[0], *greedy_chain]), np.array([roots[1], *rng.integers(3, 300, 4)]), np.array([roots[2]])]
@@ -100,17 +100,22 @@ def _greedy_chains(tmp_path, prompt, steps: int, k: int) -> list[list[int]]:
     toks = []
     fwd = rt.forward([0], prompt[None], np.arange(-1, prompt.size - 1, dtype=np.int32)[None], np.array([[prompt.size - 1]]))
     rt.commit([0], [np.arange(prompt.size)])
-    for _ in range(steps * (k + 1) + 1):
+    need = (steps - 1) * (k + 1) + k                # the last chain's last token
+    while True:
         toks.append(int(np.asarray(fwd.logits)[0, -1].argmax()))
+        if len(toks) == need:
+            break
         fwd = rt.forward([0], np.array([[toks[-1]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
         rt.commit([0], [np.array([0])])
     return [toks[i * (k + 1): i * (k + 1) + k] for i in range(steps)]
 
 
 def test_the_step_graph_is_the_eager_step_bit_for_bit(tmp_path):
+    """Two steps: row 0's chain accepted in full at the first (the greedy continuation), random
+    at the second (a rejection); the second replays the graph the first captured."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, n) for n in (7, 5, 6)]
-    chains = _greedy_chains(tmp_path, prompts[0], steps=2, k=3)
+    chains = _greedy_chains(tmp_path, prompts[0], steps=1, k=3) + [list(rng.integers(3, 300, 3))]
     eager = _run_steps(runtime(tmp_path, graphs=False), prompts, 2, chains)     # host verification
     graphed_rt = runtime(tmp_path, graphs=True)
     graphed = _run_steps(graphed_rt, prompts, 2, chains)

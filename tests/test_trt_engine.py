@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 from backend.devices.cuda import Fp8Options  # noqa: E402
 from backend.build.pipeline import BuildConfig, build  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
-from conftest import (assert_greedy_identity, assert_seeded_sampling_matches_plain,  # noqa: E402
-                      assert_serves_like_offline, chain, device_env, make_tiny_checkpoint,
+from conftest import (assert_seeded_sampling_matches_plain, assert_serves_like_offline,  # noqa: E402
+                      assert_spec_is_plain, chain, device_env, make_tiny_checkpoint,
                       spec_decoder, tiny_with_head)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,11 +97,11 @@ def decoder(m, **spec):
 
 
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft-model", "eagle", "lookup+eagle"])
-def test_greedy_speculation_is_identical_to_plain_with_verification_in_the_graph(tiny, kind, monkeypatch):
+def test_greedy_speculation_is_identical_to_plain_with_verification_in_the_graph(tiny, kind, monkeypatch, plain_tokens):
     from backend.runtime import engine_rt
 
     monkeypatch.setattr(engine_rt, "verify_on_host", lambda *a: pytest.fail("verified on the host"))
-    assert_greedy_identity(decoder(tiny[0], num_draft_tokens=4), kind)
+    assert_spec_is_plain(plain_tokens, tiny[0], "fp32", kind, num_draft_tokens=4)
 
 
 def test_seeded_sampling_equals_plain_sampling_in_a_batch(tiny):

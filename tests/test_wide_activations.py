@@ -168,5 +168,6 @@ def test_the_price_is_timed_on_one_engine_thread_by_its_cpu_time(tiny):
 def test_an_engine_with_wide_matrices_is_exact_and_batch_invariant(tiny):
     named, _ = tiny
     assert named.engine("gguf").batch_invariant            # the build's verify-vs-single-steps check
+    plain = None
     for kind in ("prompt-lookup", "draft-model"):           # draft-model: the self:1 draft
-        assert_greedy_identity(spec_decoder(named, "gguf", num_draft_tokens=4), kind)
+        plain = assert_greedy_identity(spec_decoder(named, "gguf", num_draft_tokens=4), kind, plain)

@@ -106,10 +106,13 @@ _LIB = None
 
 # SPECDEC_ISA: the path the quantized matmul runs on. auto (unset): AMX tiles where the CPU and the
 # OS have them (for matmuls of 10+ int8 rows, kernels.c tile_min_rows), else the build's vector
-# path; amx: tiles or an error; avx512: the build's AVX-512 VNNI path without tiles; avx2: the
-# 256-bit build setup.py compiles beside it (plugins._native_avx2).
-# Every path gives the same bits (plugins/native/amx.h, tests/test_native_amx.py).
-ISAS = ("auto", "amx", "avx512", "avx2")
+# path; amx: tiles or an error; avx512: the build's AVX-512 VNNI path without tiles; avx-vnni and
+# avx2: the 256-bit builds setup.py compiles beside the main one where the CPU has more (avx2:
+# without VNNI, the path of AVX2-only CPUs), or the main build where that is its path; each
+# refuses to load anything else. The matmul gives the same bits on every path, the whole forward
+# on paths of one width (tests/test_native_isa.py, tests/test_native_amx.py).
+ISAS = ("auto", "amx", "avx512", "avx-vnni", "avx2")
+LOWER = {"avx-vnni": "plugins._native_avx_vnni", "avx2": "plugins._native_avx2"}   # setup.py's builds
 
 
 def compiled() -> bool:
@@ -136,8 +139,8 @@ def _library_path(want: str) -> str:
                            "the fp32 / q4 engines (--weights fp32,q4)")
     if override:
         return override
-    if want == "avx2":
-        spec = importlib.util.find_spec("plugins._native_avx2")
+    if want in LOWER:
+        spec = importlib.util.find_spec(LOWER[want])
         if spec is not None and spec.origin is not None:
             return spec.origin
     return importlib.util.find_spec("plugins._native").origin
@@ -173,8 +176,9 @@ def _load(path: str, want: str) -> ctypes.CDLL:
     got = lib.sd_isa().decode()
     if want == "avx512" and not got.startswith("avx512"):
         raise UserError(f"SPECDEC_ISA=avx512: this build's vector path is {got} (no AVX-512 here)")
-    if want == "avx2" and got not in ("avx2", "avx-vnni"):
-        raise UserError(f"SPECDEC_ISA=avx2: no 256-bit build was compiled beside {path} (setup.py)")
+    if want in LOWER and got != want:
+        raise UserError(f"SPECDEC_ISA={want}: {path} runs {got}, and no {want} build was compiled beside it "
+                        f"(setup.py builds one where this CPU has {want} and more)")
     return lib
 
 

@@ -58,14 +58,30 @@ static inline __m256 tree8(const vf *f) {
 }
 #endif
 
+/* ACCUMULATE(acc, key_e): a column's lane sums of q . k over the head dimension in one order on
+ * either width: AVX-512's lanes 0-7 chain the even 8-float chunks of the head dimension and lanes
+ * 8-15 the odd ones, which tree8 folds; AVX2 keeps those two chains and adds them, so a score has
+ * the same bits on both (tests/test_native_isa.py) */
+#if defined(__AVX512F__)
+#define ACCUMULATE(acc, key_e)                                                   \
+    do {                                                                         \
+        acc = vzero();                                                           \
+        for (int e = 0; e < dv; e++) acc = vfma(qv[e], key_e, acc);              \
+    } while (0)
+#else
+#define ACCUMULATE(acc, key_e)                                                   \
+    do {                                                                         \
+        vf chain[2] = {vzero(), vzero()};                                        \
+        for (int e = 0; e < dv; e++) chain[e & 1] = vfma(qv[e], key_e, chain[e & 1]); \
+        acc = vadd(chain[0], chain[1]);                                          \
+    } while (0)
+#endif
+
 /* scores of query q (scaled) against 8 columns; each lane's arithmetic is the same wherever its
  * column sits among the 8 */
 static inline __m256 scores8(const vf *qv, int dv, const uint16_t *const *k8) {
     vf acc[8];
-    for (int i = 0; i < 8; i++) {
-        acc[i] = vzero();
-        for (int e = 0; e < dv; e++) acc[i] = vfma(qv[e], vloadh(k8[i] + e * VW), acc[i]);
-    }
+    for (int i = 0; i < 8; i++) ACCUMULATE(acc[i], vloadh(k8[i] + e * VW));
     return tree8(acc);
 }
 
@@ -73,10 +89,7 @@ static inline __m256 scores8(const vf *qv, int dv, const uint16_t *const *k8) {
  * exact, so the same bits as scores8 on their f16 keys */
 static inline __m256 scores8f(const vf *qv, int dv, const vf *kf) {
     vf acc[8];
-    for (int i = 0; i < 8; i++) {
-        acc[i] = vzero();
-        for (int e = 0; e < dv; e++) acc[i] = vfma(qv[e], kf[i * dv + e], acc[i]);
-    }
+    for (int i = 0; i < 8; i++) ACCUMULATE(acc[i], kf[i * dv + e]);
     return tree8(acc);
 }
 
