@@ -101,14 +101,11 @@ def test_batched_ragged_verify_equals_single(fp32_runtime):
 
 
 def test_greedy_matches_hf_generate(fp32_runtime, hf_model, tokenizer):
-    """64 greedy tokens per kind of public prompt (the first edit, summary and chat prompt: the
-    same code path for each, transformers' generate the most of this suite's CPU), EOS ignored;
-    a divergence is only acceptable at a numerical tie (the target's top-2 logit gap under 1e-4
-    at that step)."""
+    """64 greedy tokens per public prompt, EOS ignored; a divergence is only acceptable at a
+    numerical tie (the target's top-2 logit gap under 1e-4 at that step). Every prompt, not one
+    per kind: the test is in the slow tier, where the issue's "same coverage" costs ~1 min."""
     report = []
-    prompts = load_prompts()
-    firsts = [next(p for p in prompts if p["id"].startswith(kind)) for kind in ("edit-", "sum-", "chat-")]
-    for k, item in enumerate(firsts):
+    for k, item in enumerate(load_prompts()):
         ids = prompt_ids(tokenizer, item["messages"])
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
