@@ -60,7 +60,11 @@ def deploy(repo: Path, nodes: int, router: str, threads: int | None):
     with ThreadPoolExecutor(nodes) as pool:
         list(pool.map(Node.start, started))
     front = Frontend(d, free_port(), router).start()
-    front.wait(nodes)
+    try:
+        front.wait(nodes)
+    except BaseException:
+        undeploy(front, started)             # no servers left behind by a deployment that failed
+        raise
     return front, started
 
 

@@ -167,3 +167,20 @@ def test_scale_out_flags_that_make_no_sense_are_one_line_and_exit_2(flags, says,
     err = capsys.readouterr().err.strip()
     assert err.startswith("specdec serve: error:") and says in err and "\n" not in err
     assert not (tmp_path / "none").exists()                     # refused before anything was built
+
+
+def test_nodes_started_at_once_join_one_file_store(monkeypatch):
+    """Nodes start on threads of their own (`specdec serve --nodes N`, scale_out.py): each asks the
+    deployment for its environment at once, and every one must name the same discovery store (a
+    store chosen lazily gave two racing nodes two, and a frontend that saw 1 of 2 workers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from backend.serve.dynamo.launch import Deployment
+
+    monkeypatch.delenv("DYN_FILE_KV", raising=False)
+    d = Deployment()
+    with ThreadPoolExecutor(8) as pool:
+        stores = set(pool.map(lambda _: d.env()["DYN_FILE_KV"], range(64)))
+    assert stores == {str(d.store)} and d.store.is_dir(), stores
+    monkeypatch.setenv("DYN_FILE_KV", str(d.store))
+    assert Deployment().store == d.store                     # joining a deployment on this machine

@@ -62,10 +62,15 @@ class Deployment:
     local: bool = True               # everything on 127.0.0.1
     store: Path | None = None        # file discovery's directory
 
+    def __post_init__(self):
+        # chosen once, here: nodes start on threads of their own, and a store chosen at each one's
+        # first env() gave two racing nodes two stores (a frontend that saw 1 of 2 workers)
+        if self.discovery == "file" and self.store is None:   # $DYN_FILE_KV: join a deployment on this machine
+            self.store = Path(os.environ.get("DYN_FILE_KV") or tempfile.mkdtemp(prefix="specdec-dynamo-"))
+
     def env(self) -> dict:
         env = install.env()
-        if self.discovery == "file":               # $DYN_FILE_KV: join a deployment on this machine
-            self.store = self.store or Path(env.get("DYN_FILE_KV") or tempfile.mkdtemp(prefix="specdec-dynamo-"))
+        if self.discovery == "file":
             env["DYN_FILE_KV"] = str(self.store)
         if self.local:
             env.update(DYN_TCP_RPC_HOST="127.0.0.1", DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SYSTEM_HOST="127.0.0.1")
