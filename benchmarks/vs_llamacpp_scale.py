@@ -39,12 +39,24 @@ from vs_llamacpp import PEER_SCRIPT, ensure_peer_venv, peer_python  # noqa: E402
 ENGINES = ("bandwidth", "llamacpp_fa_off", "llamacpp_fa_on", "specdec")
 
 
-def build_default(gguf: str, repo: str) -> dict:
-    """`specdec build --target GGUF --output REPO`, the README's command: wall and CPU seconds and
-    the peak memory of its process."""
+DEFAULT_MAX_SEQ = 2048       # `specdec build`'s --max-seq-len
+
+
+def context_needed(args) -> int:
+    """The longest sequence the run makes: its longest --ttft prompt and its new tokens."""
+    return max([int(x) for x in args.ttft.split(",") if x] + [0]) + args.new_tokens + 1
+
+
+def build_default(gguf: str, repo: str, need: int = 0) -> dict:
+    """`specdec build --target GGUF --output REPO`, the README's command (with `--max-seq-len`, the
+    next power of two, only where the run's longest sequence exceeds the default's 2,048: a
+    2,048-token time-to-first-token prompt and its new tokens): wall and CPU seconds and the peak
+    memory of its process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     cmd = [str(Path(sys.executable).parent / "specdec"), "build", "--target", gguf, "--output", repo]
+    if need > DEFAULT_MAX_SEQ:
+        cmd += ["--max-seq-len", str(1 << (need - 1).bit_length())]
     done = subprocess.run(cmd, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -149,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     from backend.build.pipeline import ENGINE_SUBDIR
     from backend.manifest import EngineManifest
 
-    built = None if (Path(args.repo) / ENGINE_SUBDIR / "manifest.json").exists() else build_default(args.gguf, args.repo)
+    need = context_needed(args)
+    built = None if (Path(args.repo) / ENGINE_SUBDIR / "manifest.json").exists() else \
+        build_default(args.gguf, args.repo, need)
     m = EngineManifest.load(Path(args.repo) / ENGINE_SUBDIR)
+    if m.max_seq_len < need:       # refused before any engine runs, not a traceback mid-run
+        raise SystemExit(f"{args.repo} takes {m.max_seq_len} tokens; --ttft {args.ttft} with --new-tokens "
+                         f"{args.new_tokens} needs {need}: build it with --max-seq-len {1 << (need - 1).bit_length()}")
     items = token_ids(args.repo, args.prompts, [int(x) for x in args.ttft.split(",") if x])
     items = [x for x in items if x["kind"] != "ttft"][:args.limit] + [x for x in items if x["kind"] == "ttft"]
     runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
