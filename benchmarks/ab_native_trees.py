@@ -60,16 +60,6 @@ def runtime(native, manifest_mod, config_mod, repo: Path, context: int, prompt: 
     return rt
 
 
-def verify_ms(rt, toks: np.ndarray, clock) -> tuple[float, np.ndarray]:
-    """One forward of toks [1, T] as a chain after the committed context (then dropped)."""
-    t = toks.shape[1]
-    t0 = clock()
-    out = rt.forward([0], toks, np.arange(-1, t - 1, dtype=np.int32)[None], np.arange(t)[None])
-    ms = 1000 * (clock() - t0)
-    rt.commit([0], [np.array([], np.int64)])
-    return ms, out.logits.copy()
-
-
 def git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
 
@@ -85,6 +75,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from backend.bench.engine_bench import verify_ms      # the same timed forward as bench-engine's
     repo = args.repository / "specdec" / "engine" if (args.repository / "specdec").exists() else args.repository
     sides = {"new": (importlib.import_module("backend.runtime.native"), importlib.import_module("backend.manifest"),
                      importlib.import_module("backend.config"))}

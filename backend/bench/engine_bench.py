@@ -212,8 +212,9 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     return result
 
 
-def _verify_ms(rt, toks: np.ndarray, clock) -> tuple[float, np.ndarray]:
-    """One forward of toks [1, T] as a chain after the runtime's sequence 0 (its context kept)."""
+def verify_ms(rt, toks: np.ndarray, clock) -> tuple[float, np.ndarray]:
+    """One forward of toks [1, T] as a chain after the runtime's sequence 0 (its context kept) ->
+    (ms by `clock`, the logits); benchmarks/ab_native_trees.py times its trees with it too."""
     t = toks.shape[1]
     t0 = clock()
     out = rt.forward([0], toks, np.arange(-1, t - 1, dtype=np.int32)[None], np.arange(t)[None])
@@ -253,7 +254,7 @@ def ab_builds(manifest: EngineManifest, builds: dict[str, str], isas: list[str],
             for b, isa in order:
                 with native.build_at(builds[b]):
                     native.use_tiles(isa != "avx512")
-                    ms, first[(b, isa)] = _verify_ms(rts[b], toks, clock)
+                    ms, first[(b, isa)] = verify_ms(rts[b], toks, clock)
                 if r:
                     got[(b, isa)][t].append(ms)
             ref = first[settings[0]]
