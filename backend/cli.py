@@ -15,7 +15,7 @@ from backend.manifest import Device, WeightFormat
 
 
 def cmd_build(args) -> int:
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import OPTIONS
 
     weights = tuple(WeightFormat(w.strip()) for w in args.weights.split(",") if w.strip()) if args.weights else None
@@ -32,7 +32,7 @@ def cmd_build(args) -> int:
 
 def _drafts(args) -> tuple[str, ...]:
     """--draft as given; without any, the embedded target comes with its default drafts."""
-    from backend.build.embedded import default_drafts
+    from backend.builder.embedded import default_drafts
 
     if args.draft or getattr(args, "target", None) is not None:
         return tuple(args.draft)
@@ -40,7 +40,7 @@ def _drafts(args) -> tuple[str, ...]:
 
 
 def _engine_dir(args) -> Path:
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
 
     return Path(args.model_repository) / ENGINE_SUBDIR
 
@@ -154,9 +154,9 @@ def cmd_serve(args) -> int:
     import signal
     import threading
 
-    from backend.build.embedded import GGUF_NAME
-    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
-    from backend.manifest import MANIFEST_VERSION
+    from backend.builder.embedded import GGUF_NAME
+    from backend.builder.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.manifest import READS
     from backend.serve.launcher import TritonServer
     from backend.serve.supervisor import Supervisor
 
@@ -166,7 +166,7 @@ def cmd_serve(args) -> int:
     if not manifest.exists() and not (repo / "draft" / "config.pbtxt").exists():
         print(f"no engines in {repo}: building the embedded default (first run) ...", flush=True)
         build(BuildConfig(target=None, output=repo, drafts=_drafts(args)))
-    elif manifest.exists() and json.loads(manifest.read_text()).get("version") != MANIFEST_VERSION:
+    elif manifest.exists() and json.loads(manifest.read_text()).get("version") not in READS:
         source = json.loads(manifest.read_text()).get("source", "")
         if Path(source).name != GGUF_NAME:
             print(f"the engines in {repo} were built by an older specdec; rebuild them with "
@@ -259,7 +259,7 @@ def _cannot_run_here(engine_dir: Path) -> str | None:
 
 
 def cmd_build_draft_node(args) -> int:
-    from backend.build.pipeline import write_draft_node
+    from backend.builder.pipeline import write_draft_node
 
     out = write_draft_node(Path(args.model_repository), args.kind, Path(args.output))
     print(f"draft node ({args.kind}) written to {out}; serve it with "
@@ -282,8 +282,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train_draft(args) -> int:
-    from backend.build.embedded import cache_dir
-    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.builder.embedded import cache_dir
+    from backend.builder.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.manifest import EngineManifest
     from backend.train.eagle_train import TrainConfig, train
 

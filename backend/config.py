@@ -1,6 +1,6 @@
 """Typed configuration: per-request sampling parameters and per-server speculation settings.
 
-Config flows one way: CLI -> BuildConfig (build/pipeline.py) -> EngineManifest -> ServeConfig.
+Config flows one way: CLI -> BuildConfig (builder/pipeline.py) -> EngineManifest -> ServeConfig.
 Request parameters are plain Python scalars, converted once at the Triton boundary
 (triton_io.py) and validated once (sequence.validate_request, which calls
 SamplingParams.validate). Client mistakes raise `RequestError`, which names the field

@@ -19,7 +19,10 @@ from backend.errors import ManifestMismatch, ManifestMissing
 from backend.names import Name
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 3          # 3: the model description (ModelConfig fields), native kinds, plugin windows; 2: cuda engines, gpu
+# 4: each device's recorded choices are its own record (EngineFile.record, DraftEntry.record);
+# 3: the model description (ModelConfig fields), native kinds, plugin windows; 2: cuda engines, gpu
+MANIFEST_VERSION = 4
+READS = (3, 4)                # a version-3 manifest's flat device fields are read into the records
 
 
 class WeightFormat(Name):
@@ -29,10 +32,10 @@ class WeightFormat(Name):
 
 
 WeightFormat.FP32 = WeightFormat("fp32")  # exact: every weight dequantized to float32
-WeightFormat.Q4 = WeightFormat("q4")      # 4-bit MatMulNBits; GGUF blocks repacked exactly (build/quant.py) (cpu)
+WeightFormat.Q4 = WeightFormat("q4")      # 4-bit MatMulNBits; GGUF blocks repacked exactly (buildlib/quant.py) (cpu)
 WeightFormat.GGUF = WeightFormat("gguf")  # the GGUF's own blocks, run by our C decode step (runtime/native.py) (cpu)
 WeightFormat.BF16 = WeightFormat("bf16")  # bfloat16 weights (cuda)
-WeightFormat.FP8 = WeightFormat("fp8")    # float8 E4M3 by a recipe chosen at build (runtime/fp8.py; EngineFile.fp8) (cuda, tensorrt)
+WeightFormat.FP8 = WeightFormat("fp8")    # float8 E4M3 by a recipe chosen at build (runtime/fp8.py; the device records it) (cuda, tensorrt)
 
 
 class Device(Name):
@@ -46,7 +49,7 @@ Device.TENSORRT = Device("tensorrt")  # TensorRT engines of the engine graph (ru
 
 
 # Every norm weight a layer program may name (ModelConfig.program), in the order an engine file
-# lists a layer's tensors (devices/native/export.py writes them so; build/checkpoint.py converts
+# lists a layer's tensors (devices/native/export.py writes them so; buildlib/checkpoint.py converts
 # Gemma's (1 + w) for these): a norm of a new name is a name here, its place in the program and its
 # checkpoint names
 NORMS = ("attn_norm", "hidden_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
@@ -60,7 +63,7 @@ class ModelConfig:
     that engine needs it (docs/architecture.md, "Where a change goes": a new architecture).
 
     Norms are stored plain (y = x / rms(x) * w): a checkpoint that keeps Gemma's (1 + w) is
-    converted when it is read (build/checkpoint.py), as llama.cpp's converter does."""
+    converted when it is read (buildlib/checkpoint.py), as llama.cpp's converter does."""
 
     architecture: str
     vocab_size: int
@@ -161,7 +164,7 @@ class ModelConfig:
     def llama_layer(self, **changes) -> "ModelConfig":
         """This model's numbers on the plain Llama layer (every feature above cleared; rope keeps
         the global base and scaling): an EAGLE head's layer, whatever family its target is
-        (build/heads/eagle.py, train/eagle_model.py), with `changes` (the head's own shape)."""
+        (buildlib/heads/eagle.py, train/eagle_model.py), with `changes` (the head's own shape)."""
         plain = dict(activation="silu", qk_norm=False, post_norms=False, sliding_window=0, layer_types=(),
                      rope_local_theta=None, embed_scale=1.0, attn_scale=None, final_logit_softcap=0.0,
                      attn_logit_softcap=0.0)
@@ -221,27 +224,17 @@ class EngineFile:
     num_layers: int           # < model.num_layers for a self-draft made of the first N layers
     size_bytes: int
     # True when a T-token verify forward gives bitwise the logits of T single steps (measured
-    # at build time by build/check.py); decides whether greedy speculation is token-identical.
+    # at build time by builder/check.py); decides whether greedy speculation is token-identical.
     batch_invariant: bool | None = None
-    pad_single_token: bool = False   # run T=1 steps as T=2 (keeps 4-bit kernels on one path)
-    weight_bytes_per_token: int | None = None   # weights one decode step reads (ONNX engines)
+    weight_bytes_per_token: int | None = None   # weights one decode step reads
     # EAGLE-3 features: the residual stream entering each of these layers is appended to the
     # forward's `hidden` output after the final-norm features (vLLM's aux-layer indexing: 0 is
     # the embedding, j the output of layer j-1); empty unless an EAGLE-3 head was built
     feature_layers: tuple[int, ...] = ()
-    # FP8 engines: the recipe the build chose (runtime/fp8.py Recipe.to_json under "recipe") and
-    # how: "chosen_by" ("measured" | "--fp8-recipe"), the quality bar, every candidate measured
-    # (top-1 agreement and KL against fp32 on the calibration prompts; devices/cuda/fp8_choice.py);
-    # a torch engine's "w8a8": from which forward width its GPU runs the W8A8 GEMM, as measured
-    # there, or null and why (devices/cuda/w8a8.py);
-    # None for other formats and manifests written before recipes (per-channel, per-tensor)
-    fp8: dict | None = None
-    # gguf engines (the native kernel): the matrix families whose inputs are wide activations
-    # (two int8 rows per row, ~14 bits; kernels.h act_q.wide): "qkv", "o", "gate_up", "down",
-    # "lm_head"; and how the build chose them (devices/native/wide.py: the measured agreement of each
-    # candidate, the bar), None where no choice was made (other formats, older manifests)
-    wide_activations: tuple[str, ...] = ()
-    activations: dict | None = None
+    # what the engine's device backend chose for it and must read back (its FP8 recipe, its wide
+    # activations, ...): the backend's own record (devices/base.py DeviceRecord; each backend's
+    # `record` class types it), kept here as plain JSON this file never reads; None: nothing chosen
+    record: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -256,7 +249,7 @@ class DraftEntry:
     num_layers: int = 0
     source: str = ""          # where it came from (checkpoint path or head dir)
     weights: str | None = None            # its engine's weight format; None: the manifest's default
-    pad_single_token: bool = False        # its engine runs T=1 steps as T=2 (EngineFile's)
+    record: dict | None = None            # its engine's device record (EngineFile.record)
     model: ModelConfig | None = None      # a separate draft model's own description
     head: dict | None = None              # a head's configuration (EAGLE: its config.json without
                                           # training history; Medusa: num_heads, num_layers)
@@ -278,7 +271,7 @@ class DraftEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> "DraftEntry":
-        d = dict(d)
+        d = _with_record(cls, d)
         if d.get("model"):
             d["model"] = ModelConfig.from_json(d["model"])
         return cls(**d)
@@ -348,13 +341,12 @@ class EngineManifest:
             raise ManifestMissing(f"no engine manifest at {path}; run `specdec build` first "
                                   f"(or point --model-repository at a built repository)")
         d = json.loads(path.read_text())
-        if d.get("version") != MANIFEST_VERSION:
-            raise ManifestMismatch(f"{path}: manifest version {d.get('version')} != {MANIFEST_VERSION}; "
-                             "rebuild the engines with `specdec build`")
+        if d.get("version") not in READS:
+            raise ManifestMismatch(f"{path}: manifest version {d.get('version')} is not one this specdec reads "
+                                   f"({', '.join(map(str, READS))}); rebuild the engines with `specdec build`")
         engines = {k: EngineFile(**{**v, "weights": WeightFormat(v["weights"]),
-                                    "feature_layers": tuple(v.get("feature_layers", ())),
-                                    "wide_activations": tuple(v.get("wide_activations", ()))})
-                   for k, v in d["engines"].items()}
+                                    "feature_layers": tuple(v.get("feature_layers", ()))})
+                   for k, v in ((k, _with_record(EngineFile, v)) for k, v in d["engines"].items())}
         return cls(
             model=ModelConfig.from_json(d["model"]),
             engines=engines,
@@ -371,6 +363,19 @@ class EngineManifest:
             source_bytes_per_token=d.get("source_bytes_per_token"),
             root=path.parent.resolve(),
         )
+
+
+def _with_record(cls, d: dict) -> dict:
+    """An engine's or draft's JSON with its device's choices under `record`: a version-3 manifest
+    kept them as flat fields of the shared types (fp8, wide_activations, activations,
+    pad_single_token); whatever is not a field of `cls` and holds a value goes into the record as
+    it was named, and the device's record class reads it (devices/*: DeviceRecord.from_json)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "record" in d or set(d) <= names:           # version 4 (an unknown field still fails)
+        return dict(d)
+    kept = {k: v for k, v in d.items() if k in names}
+    old = {k: v for k, v in d.items() if k not in names and v not in (None, False, [], {})}
+    return {**kept, "record": kept.get("record") or old or None}
 
 
 def _plain_dict(obj) -> dict:

@@ -2,9 +2,9 @@
 
 `ModelConfig.program(i)` (manifest.py) is the one place that knows which steps a layer has and in
 which order; a family that places a norm elsewhere, drops one, or runs attention and MLP side by
-side is another tuple there (plus its weights' names in build/checkpoint.py). Every engine
+side is another tuple there (plus its weights' names in buildlib/checkpoint.py). Every engine
 interprets the tuple: the torch model (runtime/torch_model.py: a loop over the ops, and the fused
-GPU step a peephole pass over the same ops), the ONNX graph (build/graph.py, also the TensorRT
+GPU step a peephole pass over the same ops), the ONNX graph (buildlib/graph.py, also the TensorRT
 engine graph), the native kernel (plugins/native/forward.c: a switch over the op records that
 runtime/native.py fills), and the head trainer (train/eagle_model.py).
 

@@ -7,7 +7,7 @@ comes from, OpenAI's own or our extension); the Dynamo worker (where a Dynamo re
 the draft node (the sampling parameters each draft call sends, which shape the draft's
 distribution); and `specdec generate` (its flag). What reads it:
 - the models' `config.pbtxt` inputs and outputs, and the ensemble's maps, are generated from it
-  by the build (build/templates.py);
+  by the build (builder/templates.py);
 - `triton_io` (REQUEST_INPUTS, STAT_OUTPUTS, the SamplingParams a request's tensors make),
   `triton_relay.FORWARDED`, `serve/client.py` (datatypes, flags), `serve/openai_protocol.py`
   (honoured and extension fields, typed reads), `serve/dynamo/protocol.py` (sampling options,

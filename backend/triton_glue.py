@@ -343,7 +343,7 @@ class Service:
         self.decoder = make_decoder(cfg)
         self.registry = TritonRegistry(pb)
         self.metrics = Metrics(self.registry, {"model": args["model_name"]})
-        path = getattr(self.decoder.target, "kernel_path", None)
+        path = self.decoder.target.kernel_path
         if path:
             self.metrics.on_kernel(path)
             log.info("target matmul path: %s", path)

@@ -49,11 +49,17 @@ def import_tree(root: Path, prefix: str):
 
 
 def runtime(native, manifest_mod, config_mod, repo: Path, context: int, prompt: np.ndarray, threads: int):
-    """A `threads`-thread native runtime of the repository's gguf engine, `prompt` committed."""
-    m = manifest_mod.EngineManifest.load(repo)
+    """A `threads`-thread native runtime of the repository's gguf engine, `prompt` committed. The
+    manifest is read by this tree (the other may read another manifest version; the engine file is
+    the same), its model description handed to the tree's own type."""
+    from backend.devices.native import NativeRecord
+    from backend.manifest import EngineManifest
+
+    m = EngineManifest.load(repo)
     e = m.engine("gguf")
-    rt = native.NativeRuntime(m.resolve(e.path), m.model, e.num_layers, m.max_seq_len,
-                              config_mod.RuntimeOptions(threads=threads, max_sequences=1), (), tuple(e.wide_activations))
+    rt = native.NativeRuntime(m.resolve(e.path), manifest_mod.ModelConfig.from_json(m.model.to_json()), e.num_layers,
+                              m.max_seq_len, config_mod.RuntimeOptions(threads=threads, max_sequences=1), (),
+                              NativeRecord.of(e).wide_activations)
     rt.alloc(0)
     rt.forward([0], prompt, np.arange(-1, context - 1, dtype=np.int32)[None], np.full((1, 1), context - 1))
     rt.commit([0], [np.arange(context)])

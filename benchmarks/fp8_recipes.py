@@ -2,13 +2,13 @@
 """bf16 and every FP8 recipe side by side against fp32 (issue 30): `specdec quality`'s measure
 (backend/bench/quality.py: fp32's greedy continuation of each prompt, then teacher-forced top-1
 agreement and KL(fp32 || format) at every continuation position) for each format, with the engines
-made in memory from one checkpoint (the build's own functions: build/fp8.engine_tensors, build/calibration.calibrate)
+made in memory from one checkpoint (the build's own functions: buildlib/fp8.engine_tensors, buildlib/calibration.calibrate)
 instead of one repository per recipe. FP8 is emulated on a CPU, as `specdec quality` does.
 
     python benchmarks/fp8_recipes.py [--target PATH|PACKAGE] [--diagnose] --json OUT.json
 
 Every recipe is measured twice: weights rounded to nearest, and by GPTQ on the calibration
-prompts' Hessians (`<name>+gptq`, build/fp8_gptq.py).
+prompts' Hessians (`<name>+gptq`, buildlib/fp8_gptq.py).
 --diagnose adds where the error comes from: each weight granularity with every input unquantized
 (weights alone; to nearest and by GPTQ), per-token inputs with fp32 weights (inputs alone), and channel-token with its
 worst linears weight-only by the build's per-linear check (devices/cuda/fp8_choice.py).
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.bench import quality  # noqa: E402
 from backend.bench.prompt_sets import default_prompts, load_prompts, prompt_ids  # noqa: E402
-from backend.build import calibration, fp8 as fp8_math  # noqa: E402
+from backend.buildlib import calibration, fp8 as fp8_math  # noqa: E402
 from backend.devices.cuda import fp8_choice  # noqa: E402
-from backend.build.checkpoint import load_checkpoint  # noqa: E402
-from backend.build.embedded import resolve_target  # noqa: E402
+from backend.buildlib.checkpoint import load_checkpoint  # noqa: E402
+from backend.builder.embedded import resolve_target  # noqa: E402
 from backend.manifest import WeightFormat  # noqa: E402
 from backend.runtime import fp8  # noqa: E402
 

@@ -35,7 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def model_files(gguf: Path, out: Path) -> Path:
     """config.json (Hugging Face's keys for a Llama), tokenizer.json and tokenizer_config.json of
     a Llama-family GGUF, in out/."""
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.tokenizer import tokenizer_json_from_gguf
 
     ck = load_checkpoint(gguf)
@@ -167,7 +167,7 @@ if __name__ == "__main__":
     if len(sys.argv) not in (3, 4) or sys.argv[1] != "prepare":
         sys.exit(__doc__)
     sys.path.insert(0, str(ROOT))
-    from backend.build.embedded import default_gguf
+    from backend.builder.embedded import default_gguf
 
     for p in prepare(Path(sys.argv[3] if len(sys.argv) == 4 else default_gguf()), Path(sys.argv[2])):
         print(p, p.stat().st_size)

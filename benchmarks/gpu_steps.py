@@ -254,7 +254,7 @@ def spec_bench(repo: str, out_json: str, limit: int | None, max_new_tokens: int,
 
     from backend.bench import spec_bench as sb
     from backend.bench.prompt_sets import default_prompts, load_prompts
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.config import DrafterKind, ServeConfig, SpecConfig
     from backend.engine import make_decoder
 

@@ -217,7 +217,7 @@ def tensor_data(rng: np.random.Generator, s: Shape, t: Tensor) -> np.ndarray:
 
 
 def _package_member(name: str, version: str, member: str) -> bytes:
-    from backend.build.embedded import package_file
+    from backend.builder.embedded import package_file
 
     return package_file(name, version, member).read_bytes()
 
@@ -250,8 +250,8 @@ def tokenizer_meta(kind: str, vocab: int) -> dict:
 
 def _gguf_tokenizer(vocab: int) -> dict:
     """The embedded default's (SmolLM2) tokenizer, from its GGUF: small shapes for tests."""
-    from backend.build.embedded import default_gguf
-    from backend.build.gguf_file import read_gguf
+    from backend.builder.embedded import default_gguf
+    from backend.buildlib.gguf_file import read_gguf
 
     f = read_gguf(default_gguf())[0].__getitem__
     tokens = list(f("tokenizer.ggml.tokens"))

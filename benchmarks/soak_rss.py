@@ -51,8 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     repo = Path(args.repo)
     if not (repo / "generator").exists():
-        from backend.build.embedded import default_drafts, default_gguf
-        from backend.build.pipeline import BuildConfig, build
+        from backend.builder.embedded import default_drafts, default_gguf
+        from backend.builder.pipeline import BuildConfig, build
         build(BuildConfig(target=str(default_gguf()), output=repo, drafts=default_drafts(), quiet=True))
     srv = TritonServer(repo, log_file=repo.parent / "server.log")
     srv.start()

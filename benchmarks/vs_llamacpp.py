@@ -68,8 +68,8 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int, weights: st
     speculative decoding with `--drafter auto` on the serving format, as `specdec serve` runs
     them (the embedded default's drafts, the build's cost model)."""
     from backend.bench.engine_bench import greedy_tokens_per_s
-    from backend.build.embedded import default_drafts, default_gguf
-    from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+    from backend.builder.embedded import default_drafts, default_gguf
+    from backend.builder.pipeline import ENGINE_SUBDIR, BuildConfig, build
     from backend.manifest import EngineManifest, WeightFormat
 
     # the embedded default with its drafts (self:4 and the trained EAGLE-3 head); another
@@ -87,7 +87,7 @@ def run_ours(gguf_path: str, prompts_path: str, max_new_tokens: int, weights: st
         if embedded:
             drafts = default_drafts()
         else:
-            from backend.build.checkpoint import load_checkpoint
+            from backend.buildlib.checkpoint import load_checkpoint
 
             drafts = (f"self:{max(1, load_checkpoint(gguf_path).config.num_layers // 4)}",)
         manifest = build(BuildConfig(target=str(gguf_path), output=repo, drafts=drafts, quiet=True, weights=formats))

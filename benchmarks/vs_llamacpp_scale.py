@@ -72,7 +72,7 @@ def token_ids(repo: str, prompts: str, ttft: list[int], seed: int = 0) -> list[d
     import numpy as np
 
     from backend.bench.prompt_sets import load_prompts, prompt_ids
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.gguf, args.repo = os.path.abspath(args.gguf), os.path.abspath(args.repo)
     ensure_peer_venv()
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.manifest import EngineManifest
 
     need = context_needed(args)

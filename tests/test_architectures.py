@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend.build.checkpoint import CheckpointError, load_checkpoint
-from backend.build.pipeline import BuildConfig, BuildError, build
+from backend.buildlib.checkpoint import CheckpointError, load_checkpoint
+from backend.builder.pipeline import BuildConfig, BuildError, build
 from backend.devices import backend_for, load_runtime
 from backend.engine_format import q8_blocks, rope_tables
 from backend.manifest import Device, ModelConfig, WeightFormat
@@ -267,6 +267,7 @@ def test_native_engine_is_transformers_on_its_weights(family, built, arch):
     within its quantization of transformers, and 32 greedy tokens per prompt equal to
     transformers' computing with the same dequantized weights, activations and cache."""
     from backend.config import DrafterKind, SamplingParams
+    from backend.devices.native import NativeRecord
     from conftest import generate
 
     m, hf = built(arch, Device.CPU), family(arch)[3]
@@ -276,7 +277,7 @@ def test_native_engine_is_transformers_on_its_weights(family, built, arch):
     assert rel_err(prefill_logits(rt, 1, ids), hf_logits(hf, ids)) < 0.1
     rt.close()
     dec = spec_decoder(m, "gguf")
-    with native_numerics(hf, m.engine("gguf").wide_activations) as same, torch.no_grad():
+    with native_numerics(hf, NativeRecord.of(m.engine("gguf")).wide_activations) as same, torch.no_grad():
         for prompt in LOSSLESS_PROMPTS:
             ref = same.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

@@ -63,7 +63,7 @@ def capped(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_build(capped):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
 
     d, ckpt, hf, _ = capped
     return build(BuildConfig(target=str(ckpt), output=d / "cpu", quiet=True, measure_costs=False,
@@ -71,7 +71,7 @@ def cpu_build(capped):
 
 
 def test_the_cap_is_read_bends_the_logits_and_every_device_implements_it(capped):
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.devices import BACKENDS
 
     _, ckpt, hf, plain = capped
@@ -186,7 +186,7 @@ def test_torch_model_matches_transformers(capped):
     """A `--device cuda` build's torch runtime: attention by the reference (prefill, decode, tree
     branches), then by the Triton kernel in Triton's interpreter (a prefill past the window)."""
     pytest.importorskip("triton")
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import load_runtime
 
     d, ckpt, hf, _ = capped
@@ -208,8 +208,8 @@ def test_engine_graph_matches_transformers_and_the_standard_graph(capped, tmp_pa
     pytest.importorskip("onnxruntime_extensions")
     import onnx
 
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import GraphSpec, build_decoder, save_model
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.graph import GraphSpec, build_decoder, save_model
     from backend.config import RuntimeOptions
     from backend.runtime.engine_rt import EngineRuntime, OrtExecutor
     from backend.bench import engine_check

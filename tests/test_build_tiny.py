@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from backend.build import quant
-from backend.build.checkpoint import CheckpointError, load_checkpoint
-from backend.build.pipeline import ENGINE_SUBDIR, BuildConfig, build
+from backend.buildlib import quant
+from backend.buildlib.checkpoint import CheckpointError, load_checkpoint
+from backend.builder.pipeline import ENGINE_SUBDIR, BuildConfig, build
 from backend.manifest import WeightFormat
 from backend.devices import load_runtime
 from conftest import chain, make_tiny_checkpoint
@@ -64,7 +64,7 @@ def test_manifest_and_templates_are_complete(tmp_path):
 
 
 def test_unfilled_template_fails(tmp_path):
-    from backend.build.templates import TemplateError, fill
+    from backend.builder.templates import TemplateError, fill
 
     with pytest.raises(TemplateError, match="nope"):
         fill("a ${nope} b", {"x": 1}, "t")
@@ -100,7 +100,7 @@ def test_matmul_nbits_repack_is_exact(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from backend.build import graph
+    from backend.buildlib import graph
     from backend.runtime.ort import default_threads, session_options
 
     raw = _random_blocks("Q4_1", 64, 256, np.random.default_rng(2))

@@ -96,7 +96,7 @@ class BigramKind(draft_kinds.DraftKind):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import load_runtime
 
     d = tmp_path_factory.mktemp("bigram")

@@ -4,7 +4,7 @@ the target distribution."""
 import numpy as np
 import pytest
 
-from backend.build.pipeline import BuildConfig, build
+from backend.builder.pipeline import BuildConfig, build
 from backend.manifest import WeightFormat
 from conftest import chain, eagle_head_reference, make_tiny_checkpoint, random_head
 
@@ -95,8 +95,8 @@ def test_catch_up_backlog_reaches_the_controller_and_the_build_prices_it(tiny):
     """The head reports its backlog (the prompt, then one feature per step it did not draft,
     then what the last verify kept); the decoder hands it to an adaptive controller; the build
     times the head as it drafts and prices each catch-up token."""
-    from backend.build.costs import measure_cost_model
-    from backend.build.pipeline import check_priced
+    from backend.builder.costs import measure_cost_model
+    from backend.builder.pipeline import check_priced
     from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
     from backend.controller import AdaptiveController, CostModel
     from backend.engine import make_decoder
@@ -133,7 +133,7 @@ def test_a_drafter_without_a_cost_entry_fails_the_build_and_the_server(tiny):
     """The EAGLE head's forwards must be priced for `eagle` and `lookup+eagle` (which drafts with
     the head whenever lookup has no match); a cost model without them fails the build's check
     and refuses to make an adaptive controller, naming the drafter."""
-    from backend.build.pipeline import BuildError, check_priced
+    from backend.builder.pipeline import BuildError, check_priced
     from backend.config import ServeConfig, SpecConfig
     from backend.controller import UnpricedDrafter
     from backend.engine import make_decoder

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from backend.build.pipeline import BuildConfig, build  # noqa: E402
-from backend.build.heads.formats import HeadFormatError, feature_layers, read_head  # noqa: E402
+from backend.builder.pipeline import BuildConfig, build  # noqa: E402
+from backend.buildlib.heads.formats import HeadFormatError, feature_layers, read_head  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
 from conftest import assert_greedy_identity, chain, device_env, make_tiny_checkpoint, spec_decoder  # noqa: E402
 

@@ -6,7 +6,7 @@ speculation is token-identical to plain decoding on the native and ONNX engines.
 import numpy as np
 import pytest
 
-from backend.build.pipeline import BuildConfig, build
+from backend.builder.pipeline import BuildConfig, build
 from backend.manifest import WeightFormat
 from conftest import assert_greedy_identity, chain, eagle_head_reference, make_tiny_checkpoint, random_head, spec_decoder
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("onnxruntime_extensions")
 
-from backend.build.graph import GraphSpec, build_decoder  # noqa: E402
+from backend.buildlib.graph import GraphSpec, build_decoder  # noqa: E402
 from backend.manifest import WeightFormat  # noqa: E402
 from backend.bench import engine_check  # noqa: E402
 from conftest import make_tiny_checkpoint  # noqa: E402
@@ -23,7 +23,7 @@ def test_engine_graph_equals_the_standard_graph_on_random_weights(seed):
 def test_engine_graph_of_a_real_checkpoint_layout(tmp_path):
     """A Hugging Face checkpoint (tied embeddings, GQA) through the loader, as the build reads it."""
     pytest.importorskip("torch")
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
 
     ck = load_checkpoint(make_tiny_checkpoint(tmp_path / "ckpt", seed=5))
     r = engine_check.compare(ck)

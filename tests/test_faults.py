@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR
+from backend.builder.pipeline import ENGINE_SUBDIR
 from backend.config import DrafterKind, SamplingParams, ServeConfig
 from backend.engine import make_decoder
 from backend.sequence import Request
@@ -260,7 +260,7 @@ def test_a_draft_node_that_dies_mid_stream_never_hurts_the_target(built_repo, tm
     """The self-draft on its own server: the target's greedy streams equal plain decoding with the
     node up, killed mid-stream (the step falls back; nothing fails) and back again (used again
     after the back-off); the metrics count the calls and the fallbacks."""
-    from backend.build.pipeline import write_draft_node
+    from backend.builder.pipeline import write_draft_node
 
     write_draft_node(built_repo, "draft-model", tmp_path / "node")
     node = TritonServer(tmp_path / "node", log_file=tmp_path / "node.log")

@@ -88,7 +88,7 @@ def test_gptq_rounding_keeps_the_format_and_lowers_the_output_error(name):
     """The same E4M3 codes' layout and scales as rounding to nearest; the textbook algorithm's
     values (one column at a time, float64) but for float rounding at a few ties; and a smaller
     output error on the inputs its Hessian came from, and on fresh inputs of the same law."""
-    from backend.build import fp8_gptq
+    from backend.buildlib import fp8_gptq
 
     rec = fp8.recipe(name + "+gptq")
     assert rec.gptq and rec.label == f"{name}+gptq" and fp8.Recipe.from_json(rec.to_json()) == rec
@@ -178,7 +178,7 @@ def test_the_choice_takes_the_fastest_recipe_that_meets_the_bar(monkeypatch):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A tiny target with FP8 chosen by the build (cuda), and block128+gptq forced on both devices."""
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.cuda import Fp8Options
     from backend.manifest import Device, WeightFormat
 
@@ -200,25 +200,27 @@ def test_the_build_records_its_choice_and_the_runtime_reads_it(built, tmp_path):
     from safetensors import safe_open
 
     from backend.devices import load_runtime
+    from backend.devices.cuda import Fp8Record
     from backend.manifest import EngineManifest
 
     auto = built[0]
-    report = auto.engines["fp8"].fp8
-    chosen = fp8.Recipe.from_json(report["recipe"])
+    record = Fp8Record.of(auto.engines["fp8"])
+    chosen, report = fp8.Recipe.from_json(record.recipe), record.choice
     assert report["chosen_by"] == "measured" and report["positions"] > 0 and report["measured"]
     mine = next(t for t in report["measured"] if t["recipe"] == chosen.label)       # its numbers are there
     assert report["meets_bar"] == mine["meets_bar"] and mine["top1_agreement"] > 0
-    assert auto.engines["fp32"].fp8 is None
+    assert auto.engines["fp32"].record is None and Fp8Record.of(auto.engines["fp32"]) == Fp8Record()
     with safe_open(str(auto.resolve(auto.engine("fp8").path)), "pt") as f:
         assert fp8.Recipe.from_json(json.loads(f.metadata()["fp8_recipe"])) == chosen
     rt = load_runtime(auto, "fp8")
     assert rt.model.fp8_recipe == chosen
     rt.close()
-    old = json.loads((auto.root / "manifest.json").read_text())          # written before recipes
+    old = json.loads((auto.root / "manifest.json").read_text())          # version 3, written before recipes
+    old["version"] = 3
     for e in old["engines"].values():
-        e.pop("fp8")
+        e.pop("record")
     (tmp_path / "manifest.json").write_text(json.dumps(old))
-    assert EngineManifest.load(tmp_path).engines["fp8"].fp8 is None
+    assert Fp8Record.of(EngineManifest.load(tmp_path).engines["fp8"]) == Fp8Record()
 
 
 def test_an_engine_file_of_before_recipes_still_loads(built, tmp_path):
@@ -226,9 +228,9 @@ def test_an_engine_file_of_before_recipes_still_loads(built, tmp_path):
     recipe, the same logits as the file written today with that recipe."""
     from safetensors.torch import load_file, save_file
 
-    from backend.build import calibration, fp8 as fp8_math
+    from backend.buildlib import calibration, fp8 as fp8_math
     from backend.devices.cuda import export as torch_engine
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.manifest import WeightFormat
     from backend.runtime.torch_rt import TorchRuntime
 
@@ -262,12 +264,15 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
     from onnx import numpy_helper
     from safetensors.torch import load_file
 
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.fp8 import FUSED
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.fp8 import FUSED
     from backend.devices import load_runtime
 
+    from backend.devices.cuda import Fp8Record
+
     _, cuda, trt = built
-    assert cuda.engines["fp8"].fp8["recipe"] == trt.engines["fp8"].fp8["recipe"] == fp8.recipe("block128+gptq").to_json()
+    assert Fp8Record.of(cuda.engines["fp8"]).recipe == Fp8Record.of(trt.engines["fp8"]).recipe == \
+        fp8.recipe("block128+gptq").to_json()
     t = load_file(str(cuda.resolve(cuda.engine("fp8").path)))
     g = onnx.load(str(trt.resolve(trt.engine("fp8").path)))
     init = {i.name: i for i in g.graph.initializer}
@@ -316,7 +321,7 @@ def test_the_torch_runtime_and_the_engine_graph_hold_the_same_fp8(built):
 def test_calibration_prompts_of_a_base_model_are_plain_text():
     """A model without a chat template (Gemma-3-270M) is calibrated on the prompts' text with its
     special tokens, as its benchmark prompts are made (it used to fail the FP8 build)."""
-    from backend.build.calibration import calibration_prompts
+    from backend.buildlib.calibration import calibration_prompts
 
     class Plain:
         chat_template = None
@@ -336,15 +341,15 @@ def test_the_fp8_build_records_its_w8a8_width_and_the_runtime_reads_it(built, tm
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.devices import load_runtime
-    from backend.devices.cuda import export as torch_engine
+    from backend.devices.cuda import Fp8Record, export as torch_engine
     from backend.manifest import WeightFormat
     from backend.runtime import torch_model as TM
     from backend.runtime.torch_rt import TorchRuntime
 
     auto = built[0]
-    w = auto.engines["fp8"].fp8["w8a8"]
+    w = Fp8Record.of(auto.engines["fp8"]).w8a8
     assert w["w8a8_from"] is None and "without a GPU" in w["reason"]
     with safe_open(str(auto.resolve(auto.engine("fp8").path)), "pt") as f:
         assert json.loads(f.metadata()["w8a8_from"]) is None
@@ -366,7 +371,7 @@ def test_the_fp8_build_records_its_w8a8_width_and_the_runtime_reads_it(built, tm
         return {**measured[-1], "w8a8_from": 64}          # whatever it measured, the file says 64
     ef = torch_engine.export(ck, WeightFormat.FP8, 2, tmp_path, "w", None, rec, width)
     assert [m["width"] for m in measured[0]["measured"]] == [33, 64]
-    assert ef.fp8["w8a8"]["w8a8_from"] == 64
+    assert Fp8Record.of(ef).w8a8["w8a8_from"] == 64
     assert TorchRuntime(tmp_path / ef.path, ck.config, 2, 64, device="cpu").model.w8a8_from == 64
     t = load_file(str(tmp_path / ef.path))
     with safe_open(str(tmp_path / ef.path), "pt") as f:

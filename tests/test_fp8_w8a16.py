@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from backend.build.fp8 import FUSED  # noqa: E402
+from backend.buildlib.fp8 import FUSED  # noqa: E402
 from backend.runtime import fp8  # noqa: E402
 from backend.runtime import torch_model as TM  # noqa: E402
 from plugins import kernels as K  # noqa: E402

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backend.build.checkpoint import load_checkpoint
-from backend.build.pipeline import BuildConfig, build
+from backend.buildlib.checkpoint import load_checkpoint
+from backend.builder.pipeline import BuildConfig, build
 from backend.devices import load_runtime
 from backend.manifest import EngineManifest, ModelConfig, WeightFormat
 from conftest import (assert_greedy_identity, decode_and_branch_errors, hf_logits, make_tiny_checkpoint,
@@ -100,7 +100,7 @@ def test_a_device_refuses_what_it_does_not_implement(tmp_path, monkeypatch):
     uses refuses the build before anything is written, naming what is missing (the CLI prints
     that line and exits 2: backend.errors.UserError): shown by taking q/k norms from cuda and
     tensorrt."""
-    from backend.build.pipeline import BuildError
+    from backend.builder.pipeline import BuildError
     from backend.devices import BACKENDS
     from backend.manifest import Device
 

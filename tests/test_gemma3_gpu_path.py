@@ -171,7 +171,7 @@ FP8 = "channel-tensor+gptq"
 
 @pytest.fixture(scope="module")
 def cuda_build(gemma_ckpt):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.cuda import Fp8Options
 
     d, ckpt, hf = gemma_ckpt
@@ -183,7 +183,7 @@ def cuda_build(gemma_ckpt):
 
 @pytest.fixture(scope="module")
 def trt_build(gemma_ckpt):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.cuda import Fp8Options
 
     d, ckpt, hf = gemma_ckpt
@@ -212,6 +212,8 @@ def check_decode_and_branches(rt, hf, vocab: int, tol: float = 1e-4, tree_choice
 
 @pytest.mark.slow
 def test_cuda_build_prefill_past_the_window_matches_transformers(cuda_build):
+    from backend.devices.cuda import Fp8Record
+
     m, hf = cuda_build
     assert m.device is Device.CUDA and m.gpu is None and m.model.architecture == "gemma3"
     assert all(ef.batch_invariant for ef in m.engines.values()), {k: e.batch_invariant for k, e in m.engines.items()}
@@ -227,7 +229,8 @@ def test_cuda_build_prefill_past_the_window_matches_transformers(cuda_build):
         rt.close()
     assert errs["fp32"] < 1e-4 and errs["bf16"] < 3e-2 and errs["fp8"] < 0.3, errs
     tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(m.resolve(m.engine("fp8").path)))
-    assert m.engines["fp8"].fp8["recipe"]["inputs"] == "tensor" and m.engines["fp8"].fp8["recipe"]["gptq"]
+    recipe = Fp8Record.of(m.engines["fp8"]).recipe
+    assert recipe["inputs"] == "tensor" and recipe["gptq"]
     assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.w_scale"].dtype == torch.float32
     assert tensors["layers.0.qkv.act_scale"].dtype == torch.float32 and "layers.2.down.act_scale" in tensors
     assert tensors["layers.0.q_norm"].dtype == torch.bfloat16 and tensors["layers.2.post_mlp_norm"].shape == (64,)
@@ -274,8 +277,8 @@ def test_engine_graph_equals_the_standard_graph_with_windows(gemma_ckpt):
     trees, a padded batch, and its rejection_sample."""
     import onnx
 
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import GraphSpec, build_decoder
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.graph import GraphSpec, build_decoder
     from backend.bench import engine_check
 
     ck = load_checkpoint(gemma_ckpt[1])
@@ -320,8 +323,8 @@ def test_final_logit_softcap_on_the_torch_model_and_the_engine_graph(gemma_ckpt,
     small enough to bend this random model's logits): the torch runtime and the engine graph
     (on ONNX Runtime with the reference ops) give transformers' logits."""
     from backend.devices.cuda import export as torch_engine
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.graph import GraphSpec, build_decoder, save_model
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.graph import GraphSpec, build_decoder, save_model
     from backend.config import RuntimeOptions
     from backend.runtime.engine_rt import EngineRuntime, OrtExecutor
     from backend.runtime.torch_rt import TorchRuntime

@@ -29,7 +29,7 @@ def gemma_gguf():
 
 @pytest.fixture(scope="module")
 def repo(gemma_gguf, tmp_path_factory):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
 
@@ -50,7 +50,7 @@ def texts(repo):
 
 
 def test_manifest_describes_gemma3(repo, gemma_gguf):
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
 
     m, _ = repo
     c = m.model
@@ -69,9 +69,12 @@ def test_logits_match_transformers(repo, gemma_gguf, texts):
     positions (issue 26). With int8 activations alone it agreed 0.978 (perf-notes §17, printed
     beside it): the build measures that and widens the matrices it must (devices/native/wide.py);
     the default (`auto`) then prices them and keeps int8 where they cost a plain step > 3%."""
+    from backend.devices.native import NativeRecord
+
     m, _ = repo
-    wide = m.engine("gguf").wide_activations
-    assert wide and m.engine("gguf").activations["meets_bar"], m.engine("gguf").activations
+    record = NativeRecord.of(m.engine("gguf"))
+    wide = record.wide_activations
+    assert wide and record.activations["meets_bar"], record.activations
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
                                                            dtype=torch.float32).eval()
     agree = {"built": 0, "int8": 0}

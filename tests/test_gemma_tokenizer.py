@@ -48,7 +48,7 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_vocab(gemma_path):
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
 
     src = load_checkpoint(str(gemma_path)).tokenizer
     assert src.gguf_vocab["model"] == "llama"

@@ -177,7 +177,7 @@ def test_the_codes_identity_from_git_or_from_the_carried_provenance(tmp_path):
 def test_the_spec_benchs_random_checkpoint_has_the_models_tokenizer_and_loads(tmp_path):
     from conftest import make_tiny_checkpoint
 
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "model")
     ck = load_checkpoint(gpu_payload.random_checkpoint(model, tmp_path / "random", {"num_hidden_layers": 1}))

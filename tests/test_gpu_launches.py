@@ -69,8 +69,8 @@ class Launches(TorchDispatchMode):
 def tiny_runtime(tmp_path, arch: str, layers: int = LAYERS, dtype=torch.bfloat16):
     """The invariant-mode runtime (bf16 unless `dtype`) of the tiny `arch` checkpoint, attention and linears by
     the Triton kernels."""
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.fp8 import engine_tensors as _tensors
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.fp8 import engine_tensors as _tensors
     from backend.config import RuntimeOptions
     from backend.manifest import WeightFormat
     from backend.runtime.torch_rt import TorchRuntime

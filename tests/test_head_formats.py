@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from backend.build.pipeline import BuildConfig, build  # noqa: E402
+from backend.builder.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import RuntimeOptions, ServeConfig, SpecConfig  # noqa: E402
-from backend.build.heads.formats import HeadFormatError  # noqa: E402
+from backend.buildlib.heads.formats import HeadFormatError  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
 from conftest import device_env, assert_greedy_identity, chain, make_tiny_checkpoint  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_speculation_with_a_published_eagle_head_is_lossless(built):
 def test_incomplete_eagle3_and_medusa_checkpoints_are_refused_saying_why(tmp_path, keys, match):
     from safetensors.torch import save_file
 
-    from backend.build.heads.formats import read_head
+    from backend.buildlib.heads.formats import read_head
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     save_file({k: torch.zeros(s) for k, s in keys.items()}, str(tmp_path / "model.safetensors"))

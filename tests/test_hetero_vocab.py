@@ -103,7 +103,7 @@ def package_tokenizer(package: str, rel: str, pip_name: str, version: str) -> st
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         return (Path(spec.submodule_search_locations[0]) / rel).read_text()
-    from backend.build.embedded import package_file
+    from backend.builder.embedded import package_file
 
     return package_file(pip_name, version, f"{package}/{rel}").read_text()
 
@@ -176,7 +176,7 @@ class TextRuntime(ToyRuntime):
 
 @pytest.fixture(scope="module")
 def smol_json():
-    from backend.build.embedded import default_gguf
+    from backend.builder.embedded import default_gguf
 
     return gguf_tokenizer_json(default_gguf())
 
@@ -567,7 +567,7 @@ def tiny_hf(path: Path, tokenizer_json: str, seed: int, bos: bool) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, pair):
     pytest.importorskip("torch")
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.manifest import WeightFormat
 
     d = tmp_path_factory.mktemp("hetero")
@@ -610,8 +610,8 @@ def test_real_pair_served_end_to_end(tmp_path_factory):
     vocabulary."""
     import urllib.request
 
-    from backend.build.embedded import default_gguf
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.embedded import default_gguf
+    from backend.builder.pipeline import BuildConfig, build
     from backend.config import ServeConfig
     from backend.engine import make_decoder
     from backend.manifest import WeightFormat

@@ -53,7 +53,7 @@ def _runtime_on_random_weights(dtype, invariant: bool, recipe=None):
                   f"layers.{i}.o": rnd(64, 64), f"layers.{i}.gate": rnd(96, 64), f"layers.{i}.up": rnd(96, 64),
                   f"layers.{i}.down": rnd(64, 96)})
     if recipe is not None:
-        from backend.build.fp8 import FUSED
+        from backend.buildlib.fp8 import FUSED
         from backend.runtime import fp8
 
         for i in range(2):
@@ -104,7 +104,7 @@ def test_weight_only_fp8_linears_run_the_w8_kernel_with_the_bits_of_their_dequan
     the linears read their FP8 codes through kernels.linear_w8 (their bf16 weights are never
     made), and the logits are, bit for bit, those of the same linears through kernels.linear
     on the dequantized weights."""
-    from backend.build.fp8 import FUSED
+    from backend.buildlib.fp8 import FUSED
     from backend.runtime import fp8
 
     rec = fp8.recipe(name).with_weight_only([f"layers.{i}.{k}" for i in range(2) for k in FUSED])

@@ -2,7 +2,7 @@
 its norms sit is its program (manifest.ModelConfig.program, the ops of backend/program.py) and its
 weights' names, nothing in any engine. Two toy families on a tiny Llama checkpoint, each nothing
 but its program (set here on ModelConfig; a real family writes it in ModelConfig.program and its
-tensor names in build/checkpoint.py):
+tensor names in buildlib/checkpoint.py):
     parallel   x + attention(norm(x)) + MLP(norm'(x)): the attention's residual waits (a parallel
                block, as GPT-J, GPT-NeoX and Cohere run attention and MLP)
     post-norm  no input norms; each block's output normed before its residual (OLMo-2's placement)
@@ -98,8 +98,8 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_that_changes_the_order_is_its_program_on_every_engine(checkpoint, tmp_path, family, monkeypatch):
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.pipeline import BuildConfig, build
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import load_runtime
     from backend.devices.native.backend import NativeOptions
 
@@ -156,7 +156,7 @@ def test_the_op_kinds_are_interpreted_where_architecture_md_says():
     placement touches none of the interpreters; a new kind is a case in each)."""
     kinds = "|".join(k.__name__ for k in program.KINDS)
     named = files_naming(rf"\bprogram\.({kinds})\b|\b({kinds})\(|SD_OP_[A-Z_]+")
-    interpreters = ["backend/build/engine_graph.py", "backend/build/graph.py", "backend/runtime/native.py",
+    interpreters = ["backend/buildlib/engine_graph.py", "backend/buildlib/graph.py", "backend/runtime/native.py",
                     "backend/runtime/torch_model.py", "backend/train/eagle_model.py", "plugins/native/forward.c"]
     assert named == sorted(interpreters + ["backend/manifest.py", "backend/program.py"]), named
     doc = " ".join((ROOT / "docs/architecture.md").read_text().split())

@@ -1,10 +1,12 @@
-"""The import layering (issue 25, point 1; issue 43, point 1): the runtimes never reach the build
-wing (engine-file formats both use live in backend/engine_format.py), nothing imports the CLI,
-only the tools (cli, bench) and serve itself import serve/, the build reaches a device only
-through the registry, the kernels (plugins/) import only the core below them, and no file-level
-import circle exists anywhere in backend/ or plugins/. Every import counts, module level or
-inside a function, followed transitively; a module importing its own package is not an edge
-(the package's __init__ is already running)."""
+"""The import layering (issue 25, point 1; issue 43, point 1; issue 51, point 4): the runtimes never
+reach the build wing (engine-file formats both use live in backend/engine_format.py), nothing
+imports the CLI, only the tools (cli, bench) and serve itself import serve/, the build's
+orchestration (backend/builder) reaches a device only through the registry and what devices share
+(backend/buildlib) never climbs above them, no serving file imports a device's runtime (the
+Runtime protocol answers), the kernels (plugins/) import only the core below them, and no
+file-level import circle exists anywhere in backend/ or plugins/. Every import counts, module
+level or inside a function, followed transitively where the rule says so; a module importing its
+own package is not an edge (the package's __init__ is already running)."""
 from __future__ import annotations
 
 import ast
@@ -53,15 +55,18 @@ def within(mod: str, *packages: str) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in packages)
 
 
+BUILD = ("backend.builder", "backend.buildlib")     # the build's two floors, above and below the devices
+
+
 def test_the_graph_is_read():
     g = import_graph()
     assert "backend.runtime.native" in g and "backend.engine_format" in g["backend.runtime.native"]
-    assert "backend.build.pipeline" in g and "backend.devices" in g["backend.build.pipeline"]   # allowed: the registry
+    assert "backend.builder.pipeline" in g and "backend.devices" in g["backend.builder.pipeline"]   # allowed: the registry
 
 
 def test_no_runtime_reaches_the_build_wing():
     g = import_graph()
-    bad = {m: sorted(t for t in reach(g, m) if within(t, "backend.build"))
+    bad = {m: sorted(t for t in reach(g, m) if within(t, *BUILD))
            for m in g if within(m, "backend.runtime")}
     assert {m: t for m, t in bad.items() if t} == {}
 
@@ -80,7 +85,7 @@ def test_the_serving_wings_never_reach_the_build_or_the_device_seam():
     (backend/draft_kinds) and the assembly (engine.py); they never reach the exporters, the head
     readers, the kinds or the seam itself."""
     g = import_graph()
-    bad = {m: sorted(t for t in reach(g, m) if within(t, "backend.build", "backend.devices", "backend.draft_kinds"))
+    bad = {m: sorted(t for t in reach(g, m) if within(t, *BUILD, "backend.devices", "backend.draft_kinds"))
            for m in g if within(m, "backend.runtime", "backend.drafters", "backend.controller", "backend.decoder",
                                 "backend.engine_format")}
     assert {m: t for m, t in bad.items() if t} == {}
@@ -135,22 +140,46 @@ def test_no_file_level_import_circle_anywhere():
 
 
 def test_the_build_reaches_a_device_only_through_the_registry():
-    """build/ keeps what every device shares; a device's exporter and choices live in its folder
-    (devices/<name>/), and the build's orchestration (pipeline) and its measurements of the built
-    engines (check, costs: load_runtime) name the registry, never a device's folder."""
+    """The build is two floors: its orchestration (backend/builder: pipeline, and its measurements
+    of the built engines, check and costs, through load_runtime) names the registries, never a
+    device's folder or a drafter kind's module; what devices share (backend/buildlib) never
+    reaches a device, a drafter kind, the orchestration or the tools above them (no arrow back
+    up), and nothing below the orchestration imports it. Neither folder is named build/: tools
+    and the common Python .gitignore templates read that name as build output."""
     g = import_graph()
-    into_devices = {m: sorted(t for t in ts if within(t, "backend.devices"))
-                    for m, ts in g.items() if within(m, "backend.build")}
-    into_devices = {m: t for m, t in into_devices.items() if t}
-    assert all(t == ["backend.devices"] for t in into_devices.values()), into_devices
-    assert set(into_devices) <= {"backend.build.pipeline", "backend.build.check", "backend.build.costs"}
+    into = {m: sorted(t for t in ts if within(t, "backend.devices", "backend.draft_kinds"))
+            for m, ts in g.items() if within(m, "backend.builder")}
+    into = {m: t for m, t in into.items() if t}
+    assert all(set(t) <= {"backend.devices", "backend.draft_kinds"} for t in into.values()), into
+    assert set(into) == {"backend.builder.pipeline", "backend.builder.check", "backend.builder.costs"}
+    above = ("backend.builder", "backend.devices", "backend.draft_kinds", "backend.engine", "backend.train",
+             "backend.cli", "backend.serve", "backend.bench", "backend.triton_glue")
+    up = {m: sorted(t for t in reach(g, m) if within(t, *above)) for m in g if within(m, "backend.buildlib")}
+    assert {m: t for m, t in up.items() if t} == {}
+    below = {m: sorted(t for t in ts if within(t, "backend.builder")) for m, ts in g.items()
+             if not within(m, "backend.builder", "backend.cli", "backend.serve", "backend.bench")}
+    assert {m: t for m, t in below.items() if t} == {}
+    assert not (ROOT / "backend" / "build").exists()
+
+
+def test_no_serving_file_imports_a_device_runtime():
+    """What serving asks of an engine (its host matmul, its kernel path, ...) is the Runtime
+    protocol's (runtime/base.py); so only the device seam, the build, the runtimes themselves and
+    the tools (cli, bench, train) import a runtime module other than the protocol: the decoder,
+    drafters, controller, scheduler, Triton glue, serve/ and the assembly never name one."""
+    g = import_graph()
+    runtimes = {m for m in g if within(m, "backend.runtime")} - {"backend.runtime", "backend.runtime.base"}
+    allowed = ("backend.runtime", "backend.devices", *BUILD, "backend.cli", "backend.bench", "backend.train")
+    bad = {m: sorted(ts & runtimes) for m, ts in g.items() if within(m, "backend") and not within(m, *allowed)}
+    assert "backend.drafters.eagle" in g and "backend.triton_glue" in g
+    assert {m: t for m, t in bad.items() if t} == {}
 
 
 def test_the_kernels_import_only_the_core_below_them():
     """plugins/ (kernels, their references, the ONNX Runtime stand-ins) may use the core types
     (config, tree, verify, sampling, kv_cache, manifest, engine_format) but no wing above them."""
     g = import_graph()
-    upper = ("backend.runtime", "backend.build", "backend.devices", "backend.draft_kinds", "backend.drafters",
+    upper = ("backend.runtime", *BUILD, "backend.devices", "backend.draft_kinds", "backend.drafters",
              "backend.controller", "backend.serve", "backend.bench", "backend.train", "backend.engine",
              "backend.decoder", "backend.cli", "backend.triton_glue")
     bad = {m: sorted(t for t in ts if within(t, *upper)) for m, ts in g.items() if within(m, "plugins")}
@@ -181,20 +210,21 @@ def test_a_backend_missing_part_of_the_contract_cannot_be_made():
 
 def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
     """Adding a device needs no edit to the manifest, the build, the CLI or the loader: a toy
-    backend (device "toy", format "toy32": ONNX fp32 graphs under new names) with a build option of
-    its own, registered in BACKENDS, builds a target and a self-draft, writes and re-reads its
-    manifest, loads through load_runtime and decodes greedily like the fp32 engine it wraps; its
-    option reaches its exporter typed and is a `specdec build` flag; an unknown device is refused
-    naming the known."""
+    backend (device "toy", format "toy32": ONNX fp32 graphs under new names) with a build option and
+    a recorded choice of its own, registered in BACKENDS, builds a target and a self-draft, writes
+    and re-reads its manifest, loads through load_runtime and decodes greedily like the fp32 engine
+    it wraps; its option reaches its exporter typed and is a `specdec build` flag; its choice is
+    written into the manifest as its own record and handed back typed to its load; an unknown
+    device is refused naming the known."""
     import argparse
     from dataclasses import dataclass, field, replace
 
     import pytest
 
     from backend import devices
-    from backend.build.pipeline import BuildConfig, build
-    from backend.devices import BuildOptions
-    from backend.devices.onnx import OrtBackend, export_graph
+    from backend.builder.pipeline import BuildConfig, build
+    from backend.devices import BuildOptions, DeviceRecord
+    from backend.devices.onnx import OrtBackend, OrtRecord, export_graph
     from backend.manifest import Device, DraftEntry, EngineManifest, WeightFormat
     from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
 
@@ -204,17 +234,30 @@ def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
     class ToyOptions(BuildOptions):
         toy_stem: str = field(default="target", metadata={"help": "the toy target file's stem"})
 
+    @dataclass(frozen=True)
+    class ToyRecord(DeviceRecord):
+        stem: str = ""                          # the toy's choice, which its load reads back
+        layers: tuple[int, ...] = ()
+
+    loaded = []
+
     class ToyBackend(OrtBackend):
-        name, device, formats, defaults, options = "toy", Device("toy"), (toy32,), (toy32,), ToyOptions
+        name, device, formats, defaults, options, record = "toy", Device("toy"), (toy32,), (toy32,), ToyOptions, ToyRecord
 
         def export_targets(self, ctx, formats):
             stem = ctx.option(ToyOptions).toy_stem
             ef = export_graph(ctx.ck, WeightFormat.FP32, ctx.ck.config.num_layers, ctx, f"{stem}_toy32", ctx.features)
-            return {toy32.value: replace(ef, weights=toy32)}, {toy32.value: 0.0}
+            return ({toy32.value: replace(ef, weights=toy32, record=ToyRecord(stem, (ef.num_layers,)).to_json())},
+                    {toy32.value: 0.0})
 
         def export_layers(self, ctx, n, serving):
             ef = export_graph(ctx.ck, WeightFormat.FP32, n, ctx, f"draft_self{n}_toy32")
-            return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source, weights=toy32.value)
+            return f"self{n}", DraftEntry("self", ef.path, n, ctx.ck.source, weights=toy32.value,
+                                         record=ToyRecord("draft", (n,)).to_json())
+
+        def load(self, manifest, ref, options):
+            loaded.append(ref.record)
+            return super().load(manifest, replace(ref, record=OrtRecord()), options)
 
     monkeypatch.setattr(devices, "BACKENDS", devices.BACKENDS + (ToyBackend(),))
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
@@ -226,7 +269,9 @@ def test_a_new_device_is_its_backend_and_a_registry_line(tmp_path, monkeypatch):
     m = EngineManifest.load(built.root)
     assert m.device is Device("toy") and m.default_format is toy32 and set(m.drafts) == {"self1"}
     assert m.engines["toy32"].path == "mine_toy32.onnx"
+    assert ToyRecord.of(m.engines["toy32"]) == ToyRecord("mine", (2,)) and m.engines["toy32"].record["stem"] == "mine"
     assert_greedy_identity(spec_decoder(m, "toy32", num_draft_tokens=3), "draft-model")   # self:1
+    assert ToyRecord("mine", (2,)) in loaded and ToyRecord("draft", (1,)) in loaded       # typed, at its load
     with pytest.raises(ValueError, match=r"device 'npu' has no backend in this install \(devices: cpu, cuda, tensorrt, toy\)"):
         devices.backend_for(Device("npu"), "fp32")
 
@@ -246,7 +291,7 @@ def test_the_engines_read_a_layer_through_its_program():
 
     raw = re.compile(r"\b(cfg|config|c)\.(qk_norm|post_norms|window\(|local_rope\(|attn_logit_softcap|activation|"
                      r"attention_bias|scale)\b")
-    readers = ["backend/build/graph.py", "backend/build/engine_graph.py", "backend/runtime/torch_model.py",
+    readers = ["backend/buildlib/graph.py", "backend/buildlib/engine_graph.py", "backend/runtime/torch_model.py",
                "backend/runtime/torch_rt.py", "backend/runtime/native.py", "backend/runtime/ort.py",
                "backend/train/eagle_model.py"]
     hits = {f: [ln for ln in (ROOT / f).read_text().splitlines() if raw.search(ln) and "def " not in ln]

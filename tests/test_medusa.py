@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.build.pipeline import BuildConfig, build  # noqa: E402
+from backend.builder.pipeline import BuildConfig, build  # noqa: E402
 from backend.config import DrafterKind, RuntimeOptions, SamplingParams, ServeConfig, SpecConfig  # noqa: E402
 from backend.manifest import Device, WeightFormat  # noqa: E402
 from conftest import device_env, assert_greedy_identity, chain, generate, make_tiny_checkpoint  # noqa: E402

@@ -123,8 +123,8 @@ def test_an_eagle_entry_written_before_its_shape_was_recorded_loads_the_same(tin
 def test_eagle_head_on_the_native_kernel_agrees_with_its_onnx_export(tiny, tmp_path):
     """With gguf serving, the build puts the EAGLE head on the native kernel too (Q8_0 blocks,
     int8 activations): its draft-vocabulary argmax agrees with the float ONNX head's."""
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.heads.eagle import export_eagle_head
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.heads.eagle import export_eagle_head
     from backend.devices import load_runtime
     from backend.runtime.ort import OrtRuntime
 

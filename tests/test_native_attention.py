@@ -25,7 +25,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_a_verify_gives_each_node_its_single_step_bits_at_every_head_size(tmp_path, tokenizer_dir, head_dim):
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import load_runtime
     from backend.devices.native import NativeOptions
 

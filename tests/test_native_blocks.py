@@ -11,7 +11,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 native = pytest.importorskip("backend.runtime.native")
 
-from backend.build.checkpoint import SourceTensor  # noqa: E402
+from backend.buildlib.checkpoint import SourceTensor  # noqa: E402
 from backend.devices.native.blocks import kind_of, matrix  # noqa: E402
 from backend.engine_format import BLOCK_BYTES, BLOCK_ELEMS, KINDS, LANES  # noqa: E402
 

@@ -319,7 +319,7 @@ def test_the_torch_runtime_reuses_prefixes_exactly(tiny, tmp_path):
     """The torch runtime (here on the CPU, attention by the kernels' numpy reference): the same
     storage code over its slot tensor; output identical with the cache on and off."""
     pytest.importorskip("torch")
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
 
     m = build(BuildConfig(target=str(tiny[1]), output=tmp_path / "repo", device=Device.CUDA,
                           weights=(WeightFormat.FP32,), drafts=("self:1",), quiet=True, measure_costs=False))
@@ -336,7 +336,7 @@ def test_the_engine_runtime_reuses_prefixes_exactly(tiny, tmp_path):
     """The TensorRT engine runtime's slots (here the engine graph on ONNX Runtime, its plugin ops
     by their references): the same storage code over the executor's per-layer caches; a suffix
     after a cached prefix gives the whole prompt's bits (the decoder's side is the native one's)."""
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices import load_runtime
 
     mp = device_env("tensorrt")

@@ -14,7 +14,7 @@ import pytest
 
 from backend import request_schema as schema
 from backend import triton_io, triton_relay
-from backend.build.templates import fill_repository
+from backend.builder.templates import fill_repository
 from backend.config import SamplingParams
 from backend.serve import client, openai_protocol
 from backend.serve.dynamo import protocol as dynamo

@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR
+from backend.builder.pipeline import ENGINE_SUBDIR
 from backend.config import DrafterKind, SamplingParams, ServeConfig
 from backend.engine import make_decoder
 from backend.sequence import Request

@@ -66,8 +66,8 @@ def tiny_file(request, tmp_path_factory):
 def test_the_file_reads_back_with_its_metadata_tensors_and_scales(tiny_file):
     import gguf
 
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.gguf_file import read_gguf
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.gguf_file import read_gguf
 
     quant, path, summary = tiny_file
     plan = shapes.tensor_plan(TINY, quant)
@@ -94,7 +94,7 @@ def test_the_file_reads_back_with_its_metadata_tensors_and_scales(tiny_file):
 
 
 def test_qwen3_carries_its_tokenizer_padded_to_the_embedding(tmp_path):
-    from backend.build.embedded import FetchError
+    from backend.builder.embedded import FetchError
     from backend.tokenizer import Tokenizer, tokenizer_json_from_gguf
 
     try:
@@ -117,7 +117,7 @@ def test_qwen3_carries_its_tokenizer_padded_to_the_embedding(tmp_path):
 def test_llama3_carries_the_real_vocabulary_and_tokenizes_as_its_own_tokenizer_json(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
 
-    from backend.build.embedded import FetchError, package_file
+    from backend.builder.embedded import FetchError, package_file
     from backend.tokenizer import tokenizer_json_from_gguf
 
     try:
@@ -144,8 +144,8 @@ def tiny_q4_k_m(tmp_path_factory):
 def test_a_tiny_shape_builds_with_the_default_command_and_leaves_out_what_does_not_fit(tiny_q4_k_m, tmp_path,
                                                                                      monkeypatch, capsys):
     from backend import devices
-    from backend.build import pipeline
-    from backend.build.checkpoint import load_checkpoint
+    from backend.builder import pipeline
+    from backend.buildlib.checkpoint import load_checkpoint
 
     native = pytest.importorskip("backend.runtime.native")
     if not native.compiled():
@@ -187,9 +187,9 @@ def test_the_bandwidth_reader_reads_the_whole_buffer_in_threads():
 
 
 def test_a_qwen3_shape_loads_with_its_norms_template_and_padded_vocabulary(tmp_path):
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.embedded import FetchError
-    from backend.build.pipeline import BuildConfig, build
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.builder.embedded import FetchError
+    from backend.builder.pipeline import BuildConfig, build
     from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
 

@@ -3,7 +3,7 @@ is token-identical to plain greedy decoding for every drafter, several K and tre
 batches, and both weight formats; seeded sampling is reproducible."""
 import pytest
 
-from backend.build.pipeline import ENGINE_SUBDIR
+from backend.builder.pipeline import ENGINE_SUBDIR
 from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
 from backend.controller import AdaptiveController, CostModel
 from backend.engine import make_decoder

@@ -43,8 +43,8 @@ PARAMS = (SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7),
 
 
 def runtime(tmp_path, graphs: bool):
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.fp8 import engine_tensors as _tensors
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.buildlib.fp8 import engine_tensors as _tensors
     from backend.config import RuntimeOptions
     from backend.manifest import WeightFormat
     from backend.runtime.torch_rt import TorchRuntime

@@ -282,7 +282,7 @@ def test_a_step_on_a_4k_history_costs_well_under_a_millisecond():
 
 def test_the_build_prices_it_and_a_request_names_it(tmp_path):
     from backend import triton_io
-    from backend.build.pipeline import BuildConfig, build
+    from backend.builder.pipeline import BuildConfig, build
     from backend.engine import make_decoder
     from backend.config import ServeConfig, RuntimeOptions
     from backend.manifest import WeightFormat

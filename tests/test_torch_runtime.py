@@ -27,6 +27,7 @@ def tiny(tmp_path_factory):
 
 def test_build_logits_invariance_and_repository(tiny):
     from backend.devices import load_runtime
+    from backend.devices.cuda import Fp8Record
 
     m, ckpt, repo = tiny
     assert m.device is Device.CUDA and m.gpu is None and m.cost_model is not None
@@ -43,9 +44,10 @@ def test_build_logits_invariance_and_repository(tiny):
         assert np.abs(out.logits[0] - ref).max() / np.abs(ref).max() < tol, fmt
         rt.close()
     tensors = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(m.resolve(m.engine("fp8").path)))
-    static = m.engines["fp8"].fp8["recipe"]["inputs"] == "tensor"          # the recipe the build chose
+    record = Fp8Record.of(m.engines["fp8"])
+    static = record.recipe["inputs"] == "tensor"                             # the recipe the build chose
     assert tensors["layers.0.q"].dtype == torch.float8_e4m3fn and tensors["layers.0.qkv.w_scale"].dtype == torch.float32
-    assert ("layers.0.qkv.act_scale" in tensors) == static and m.engines["fp8"].fp8["measured"]
+    assert ("layers.0.qkv.act_scale" in tensors) == static and record.choice["measured"]
 
 
 def decoder(m, **spec):

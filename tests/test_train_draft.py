@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from backend.build.pipeline import BuildConfig, build
+from backend.builder.pipeline import BuildConfig, build
 from conftest import chain, make_tiny_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -52,7 +52,7 @@ def test_corpus_is_fixed_text_as_chats(trained):
 
 def test_stored_features_give_the_targets_distribution(trained):
     """Training labels are softmax(feature @ LM head): check that against the engine's logits."""
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.devices import load_runtime
     from backend.train.eagle_train import _load_shards
 
@@ -72,7 +72,7 @@ def test_stored_features_give_the_targets_distribution(trained):
 
 def test_validation_curve_selects_the_written_head(trained):
     from backend.train.eagle_train import _load_shards, load_head, validate
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.engine_format import rope_tables
     from backend.train.eagle_model import EagleHead
 
@@ -127,9 +127,9 @@ def trained3(tmp_path_factory):
 
 
 def test_an_eagle3_head_trains_on_three_layers_and_is_written_in_the_reference_layout(trained3):
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.engine_format import rope_tables
-    from backend.build.heads.formats import layout, read_head
+    from backend.buildlib.heads.formats import layout, read_head
     from backend.train.eagle_model import Eagle3Head
     from backend.train.eagle_train import _load_shards, validate
 

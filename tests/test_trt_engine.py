@@ -19,8 +19,8 @@ pytest.importorskip("onnxruntime_extensions")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from backend.devices.cuda import Fp8Options  # noqa: E402
-from backend.build.pipeline import BuildConfig, build  # noqa: E402
+from backend.devices.cuda import Fp8Options, Fp8Record  # noqa: E402
+from backend.builder.pipeline import BuildConfig, build  # noqa: E402
 from backend.manifest import Device, EngineManifest, WeightFormat  # noqa: E402
 from conftest import (assert_seeded_sampling_matches_plain, assert_serves_like_offline,  # noqa: E402
                       assert_spec_is_plain, chain, device_env, make_tiny_checkpoint,
@@ -57,7 +57,7 @@ def test_the_fp8_engine_graph_has_float8_qdq_and_plugin_nodes(tiny):
     ops = [(n.domain, n.op_type) for n in model.graph.node]
     layers = m.model.num_layers
     assert ops.count(("specdec", "tree_attention")) == layers and ops.count(("specdec", "rejection_sample")) == 1
-    recipe = m.engines["fp8"].fp8["recipe"]                           # the build's choice (runtime/fp8.py)
+    recipe = Fp8Record.of(m.engines["fp8"]).recipe                    # the build's choice (runtime/fp8.py)
     quantized = 4 * layers - len(recipe["weight_only"])                # qkv, o, gate_up, down inputs
     if recipe["inputs"] == "tensor":
         assert ops.count(("", "QuantizeLinear")) == quantized
@@ -204,8 +204,8 @@ print("RESULT " + json.dumps(res))
     assert res["verify"] == ["_TemplateAOTPlugin", ["DataType.INT32", "DataType.INT64", "DataType.INT32"]]
     assert res["attn_aot"] == ["tree_attention_plugin_kernel", True, True, 3]
     assert res["verify_aot"] == ["verify_plugin_kernel", True, True, 3]
-    from backend.build.engine_graph import PLUGIN_ATTRS
-    from backend.build.graph import GraphSpec, build_decoder
+    from backend.buildlib.engine_graph import PLUGIN_ATTRS
+    from backend.buildlib.graph import GraphSpec, build_decoder
     from backend.bench import engine_check
 
     ck = engine_check.random_checkpoint()

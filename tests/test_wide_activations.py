@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backend.build.pipeline import BuildConfig, build
-from backend.devices.native import NativeOptions, wide as wide_choice
+from backend.builder.pipeline import BuildConfig, build
+from backend.devices.native import NativeOptions, NativeRecord, wide as wide_choice
 from backend.errors import UserError
 from backend.manifest import WeightFormat
 from conftest import assert_greedy_identity, make_tiny_checkpoint, spec_decoder
@@ -135,18 +135,18 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
     from backend.devices import load_runtime
 
     named, measured = tiny
-    ef = named.engine("gguf")
+    ef = NativeRecord.of(named.engine("gguf"))
     assert ef.wide_activations == ("qkv", "lm_head") and ef.activations["chosen_by"] == "--wide-activations"
     rt = load_runtime(named)
     assert rt.model.struct.wide == native.WIDE_FAMILIES["qkv"] | native.WIDE_FAMILIES["lm_head"]
     rt.close()
-    auto = measured.engine("gguf").activations
+    auto = NativeRecord.of(measured.engine("gguf")).activations
     assert auto["chosen_by"] in ("measured", "measured, priced") and auto["meets_bar"] and auto["bar"] == wide_choice.BAR
     if "price" in auto:                                     # the fidelity choice was priced on this machine
         price = auto["price"]
         assert price["path"] == native.isa() and price["step_ms_int8"] > 0 and price["step_ms_wide"] > 0
         assert (price["cost"] > wide_choice.MAX_COST) == (auto["chosen_by"] == "measured, priced")
-    assert list(measured.engine("gguf").wide_activations) == auto["wide"]
+    assert list(NativeRecord.of(measured.engine("gguf")).wide_activations) == auto["wide"]
     assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
 
 

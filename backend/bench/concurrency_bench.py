@@ -122,7 +122,7 @@ def _combine(parts: list[dict]) -> dict:
 
 
 def main(args) -> dict:
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.bench.prompt_sets import load_prompts
     from backend.serve.launcher import TritonServer
 

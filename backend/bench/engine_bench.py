@@ -101,7 +101,7 @@ def greedy_tokens_per_s(manifest: EngineManifest, fmt: str, prompts: list[dict],
 def run(manifest: EngineManifest, prompts: list[dict], out_json: Path | None, plot: Path | None,
         formats: list[str] | None = None, reps: int = 10, max_new: int = 64,
         quick: bool = False) -> dict:
-    from backend.build.check import measure_invariance
+    from backend.builder.check import measure_invariance
     from backend.devices import load_runtime
 
     formats = formats or list(manifest.engines)
@@ -173,11 +173,11 @@ def ab(manifest: EngineManifest, prompts: list[dict], wides: list[str], isas: li
     wide families from `wides` (devices/native/wide.parse's forms, or "built": the manifest's own). Each
     rep runs the settings in rotated order; medians over reps. Ratios: each setting against the
     first (the baseline), forward costs against T = 1 of the same setting."""
-    from backend.devices.native import wide as wide_choice
+    from backend.devices.native import NativeRecord, wide as wide_choice
     from backend.devices import load_runtime
     from backend.runtime import native
 
-    built = manifest.engine("gguf").wide_activations
+    built = NativeRecord.of(manifest.engine("gguf")).wide_activations
     sets = {f"{i}/{w}": (i, built if w == "built" else wide_choice.parse(w)) for i in isas for w in wides}
     assert all(v[1] is not None for v in sets.values()), "auto is a build-time choice: name it 'built'"
     assert all(i in ISAS for i in isas), isas

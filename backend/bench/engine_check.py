@@ -1,4 +1,4 @@
-"""The engine graph (backend/build/engine_graph.py) run by the engine runtime on ONNX Runtime's
+"""The engine graph (backend/buildlib/engine_graph.py) run by the engine runtime on ONNX Runtime's
 CPU provider with its `specdec::` ops implemented by the numpy references (runtime/engine_rt.py
 OrtExecutor), against the standard CPU graph: the proof on a CPU of the graph TensorRT builds.
 Used by tests and by `specdec check-kernels` (entry "engine_graph").
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint, SourceTensor, TokenizerSource
+from backend.buildlib.checkpoint import Checkpoint, SourceTensor, TokenizerSource
 from backend.kv_cache import PAD_PARENT
 from backend.manifest import ModelConfig, WeightFormat
 
@@ -44,7 +44,7 @@ def compare(ck: Checkpoint | None = None, seed: int = 0) -> dict:
     verify, a branching tree and a padded batch, greedy and sampled rows -> {"cases",
     "max_abs_err" (logits), "verify_equal" (the graph's rejection_sample == backend/verify.py on
     the standard graph's logits, float32 parameters)}."""
-    from backend.build.graph import GraphSpec, build_decoder, save_model
+    from backend.buildlib.graph import GraphSpec, build_decoder, save_model
     from backend.config import RuntimeOptions, SamplingParams
     from backend.decoder import pack_drafts as pack
     from backend.drafters.base import Draft

@@ -211,7 +211,7 @@ def level_row(n: int, modes: list[_Mode], main_modes: list[str], sweep_ks: list[
 
 
 def main(args) -> dict:
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.bench.prompt_sets import load_prompts
     from backend.engine import make_decoder
     from backend.runtime.ort import shared_sessions

@@ -142,7 +142,7 @@ def throughput(cfg, tok, prompts, system_tokens: int, n: int, requests: int, max
 
 
 def main(args) -> dict:
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.engine import make_decoder
 
     repo = Path(args.model_repository)

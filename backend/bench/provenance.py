@@ -46,8 +46,8 @@ def write_result(path: str | Path, result: dict, threads: int | None = None) -> 
 
 def engine_threads(options=None) -> int:
     """The CPU threads an engine loaded with RuntimeOptions `options` (None: the defaults) runs
-    on: the ORT and native runtimes' shared rule (runtime/ort.py default_threads)."""
-    from backend.runtime.ort import default_threads
+    on: the ORT and native runtimes' shared rule (runtime/base.py default_threads)."""
+    from backend.runtime.base import default_threads
 
     return (options.threads if options is not None else None) or default_threads()
 

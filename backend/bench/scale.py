@@ -49,10 +49,11 @@ def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None, war
     """Plain greedy decoding through the server's decoder on each item's token ids (EOS ignored),
     after one untimed warm-up item (unless not `warmup`): time to first token, decode tokens/s after it, and the
     process's resident memory against the engine file plus the KV its longest sequence holds."""
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.config import DrafterKind, RuntimeOptions, SamplingParams
     from backend.decoder import SpecDecoder
     from backend.devices import load_runtime
+    from backend.devices.native import NativeRecord
     from backend.manifest import EngineManifest
     from backend.sequence import Request
     from backend.tokenizer import Tokenizer
@@ -91,7 +92,7 @@ def ours(repo: str, items: list[dict], new_tokens: int, threads: int | None, war
             "kv_bytes_per_token": kv_bytes_per_token(m.model), "kv_bytes_longest": kv_bytes_per_token(m.model) * longest,
             "rss_before_load": base, "rss_after_load": loaded, "rss_after": rss, "rss_engine": rss - base,
             "workspace_bytes": work,
-            "wide_activations": list(ef.wide_activations), "per_prompt": rows, **_overall(rows)}
+            "wide_activations": list(NativeRecord.of(ef).wide_activations), "per_prompt": rows, **_overall(rows)}
 
 
 def _isa() -> str | None:
@@ -135,7 +136,7 @@ def bandwidth(gib: float, threads: int, passes: int = 5) -> dict:
 def costs(repo: str, context: int = 256, reps: int = 5, threads: int | None = None) -> dict:
     """Median forward ms of T = COST_TOKENS new tokens at batch 1 after `context`, and cost(T)/cost(1)."""
     from backend.bench.engine_bench import _forward_ms
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.config import RuntimeOptions
     from backend.devices import load_runtime
     from backend.manifest import EngineManifest
@@ -154,7 +155,7 @@ def acceptance(repo: str, prompts: str, drafter: str, lengths=DRAFT_LENGTHS, new
     checked identical to plain."""
     from backend.bench.prompt_sets import load_prompts, prompt_ids
     from backend.bench.spec_bench import run_one
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.config import DrafterKind, SamplingParams, ServeConfig, SpecConfig
     from backend.engine import make_decoder
     from backend.manifest import EngineManifest
@@ -195,14 +196,15 @@ def acceptance(repo: str, prompts: str, drafter: str, lengths=DRAFT_LENGTHS, new
 
 def fidelity(repo: str, prompts: str, max_tokens: int = 256) -> dict:
     """The serving engine against the float32 model on the same (dequantized) weights (the torch
-    runtime, build/calibration.py's reference), teacher-forced over each prompt's positions: top-1
+    runtime, buildlib/calibration.py's reference), teacher-forced over each prompt's positions: top-1
     agreement, the logits' relative error ||a - b|| / ||b|| and KL(float || engine)."""
     from backend.bench.prompt_sets import load_prompts, prompt_ids
-    from backend.build.calibration import _fp32_runtime
-    from backend.build.checkpoint import load_checkpoint
-    from backend.build.pipeline import ENGINE_SUBDIR
+    from backend.buildlib.calibration import _fp32_runtime
+    from backend.buildlib.checkpoint import load_checkpoint
+    from backend.builder.pipeline import ENGINE_SUBDIR
     from backend.config import RuntimeOptions
     from backend.devices import load_runtime
+    from backend.devices.native import NativeRecord
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
 
@@ -235,7 +237,7 @@ def fidelity(repo: str, prompts: str, max_tokens: int = 256) -> dict:
         margins.append(top2[:, 1] - top2[:, 0])
     engine.close()
     ref.close()
-    return {"source": m.source, "positions": n, "wide_activations": list(m.engine().wide_activations),
+    return {"source": m.source, "positions": n, "wide_activations": list(NativeRecord.of(m.engine()).wide_activations),
             "top1_agreement": round(agree / n, 4), "relative_error": round((diff2 / ref2) ** 0.5, 5),
             "kl_mean": round(kl / n, 6), "float_top1_margin_median": round(float(np.median(np.concatenate(margins))), 4)}
 

@@ -1,7 +1,7 @@
 """What a step costs: the build's measured model (CostModel) and its online correction
 (CostCorrection) by the step times the decoder reports.
 
-CostModel is measured at build time (build/costs.py) and stored in the manifest: the target
+CostModel is measured at build time (builder/costs.py) and stored in the manifest: the target
 forward over M = B * T new tokens, the extra cost per sequence, and per drafter (its traits'
 `cost_key`) the seconds of one draft forward and of each catch-up token. Every drafter a server
 runs must have its entry (`check_priced`): an unpriced drafter would look free.

@@ -12,15 +12,16 @@ backend/engine_format.py; tests/test_layering.py).
 from __future__ import annotations
 
 from backend.config import RuntimeOptions
-from backend.devices.base import BuildContext, BuildOptions, EngineBackend, EngineRef
+from backend.devices.base import BuildContext, BuildOptions, DeviceRecord, EngineBackend, EngineRef
 from backend.devices.cuda import CudaBackend
 from backend.devices.native import NativeBackend
 from backend.devices.onnx import OrtBackend
 from backend.devices.tensorrt import TensorrtBackend, reference_executor
 from backend.manifest import Device, EngineManifest, WeightFormat
 
-__all__ = ["BACKENDS", "DEVICES", "FORMATS", "OPTIONS", "BuildContext", "BuildOptions", "EngineBackend", "EngineRef",
-           "TARGET", "backend_for", "check_here", "default_weights", "formats", "load_runtime", "reference_executor"]
+__all__ = ["BACKENDS", "DEVICES", "FORMATS", "OPTIONS", "BuildContext", "BuildOptions", "DeviceRecord",
+           "EngineBackend", "EngineRef", "TARGET", "backend_for", "check_here", "default_weights", "formats",
+           "load_runtime", "reference_executor"]
 
 # One line per backend; on a device with several, the first whose formats include a format owns it,
 # and default builds list the available ones' defaults in this order (the first format serves).
@@ -91,8 +92,7 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
         if features != ef.feature_layers and not backend.any_feature_layers:
             raise ValueError(f"the {ef.weights.value} engine outputs the features of layers {list(ef.feature_layers)}, "
                              f"not {list(features)}: its graph has them built in (use the gguf engine)")
-        ref = EngineRef(manifest.resolve(ef.path), manifest.model, ef.num_layers, ef.pad_single_token, features,
-                        ef.wide_activations)
+        ref = EngineRef(manifest.resolve(ef.path), manifest.model, ef.num_layers, features, backend.record.of(ef))
         return backend.load(manifest, ref, options)
     if engine not in manifest.drafts:
         raise KeyError(f"draft {engine!r} was not built; built: {sorted(manifest.drafts) or 'none'}")
@@ -101,5 +101,5 @@ def load_runtime(manifest: EngineManifest, fmt: WeightFormat | str | None = None
     if d.kind == "eagle" and d.model is None:          # a manifest written before the build recorded it
         cfg = manifest.model.eagle_head(d.head, d.draft_vocab_size)
     backend = backend_for(manifest.device, d.weights or manifest.default_format)
-    ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, d.pad_single_token)
+    ref = EngineRef(manifest.resolve(d.path), cfg, d.num_layers, record=backend.record.of(d))
     return backend.load(manifest, ref, options)

@@ -2,25 +2,28 @@
 files) owns, from the build to the loaded runtime.
 
 Knows: the contract every backend keeps (formats and defaults, target and draft export, what
-the build records about the machine, whether the build can run what it built, the "can this
-machine run it" check, loading a runtime). Does not know: any particular device (devices/*/),
-the decode algorithm, drafting policy.
+the build records about the machine, the typed record of what a backend chose per engine, whether
+the build can run what it built, the "can this machine run it" check, loading a runtime). Does
+not know: any particular device (devices/*/), the decode algorithm, drafting policy.
 
 A backend is one object (devices/<name>/backend.py: native, onnx, cuda, tensorrt; each folder
 also holds the device's exporter and build choices) listed once in devices/__init__.py's
-BACKENDS. The build (build/pipeline.py) and `load_runtime` reach every device through it, so a
-new device is its folder (backend, exporter, options), its runtime file (runtime/X.py) and a
-registry line.
+BACKENDS. The build (builder/pipeline.py) and `load_runtime` reach every device through it, so a
+new device is its folder (backend, exporter, options, record), its runtime file (runtime/X.py)
+and a registry line.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from backend.config import RuntimeOptions
 from backend.manifest import FEATURES, Device, DraftEntry, EngineFile, EngineManifest, ModelConfig, WeightFormat
+
+if TYPE_CHECKING:                        # the build's type only: serving loads no checkpoint reader
+    from backend.buildlib.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,39 @@ class BuildOptions:
 Options = TypeVar("Options", bound=BuildOptions)
 
 
+@dataclass(frozen=True)
+class DeviceRecord:
+    """What a backend chose for one engine and reads back when it loads it (the native kernel's
+    wide activations, an FP8 recipe, ONNX Runtime's single-token padding), declared by it
+    (EngineBackend.record): a frozen dataclass of JSON-able fields, written by its exporter into
+    the manifest (EngineFile.record, DraftEntry.record: `to_json()`, plain data the manifest never
+    reads) and handed back typed to its `load` (EngineRef.record). A new device with a choice of
+    its own edits no shared file (tests/test_layering.py's toy device records one)."""
+
+    def to_json(self) -> dict:
+        return {f.name: list(v) if isinstance(v, tuple) else v
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_json(cls, d: dict | None):
+        """The record of an entry's JSON (None: nothing chosen, the defaults); a tuple field
+        comes back a tuple."""
+        tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in (d or {}).items()})
+
+    @classmethod
+    def of(cls, entry: EngineFile | DraftEntry):
+        """The record of a manifest's engine or draft, typed by this class."""
+        return cls.from_json(entry.record)
+
+
 @dataclass
 class BuildContext:
     """What every export step of one build shares: the target checkpoint, the engine folder,
     the EAGLE-3 feature layers the target engines output, and `state` a backend keeps between
-    its steps (TensorRT's FP8 activation scales, from the targets to the drafts)."""
+    its steps, typed by it (TensorRT's: its GPU and FP8 plan, from the targets to the drafts)."""
 
-    ck: object                              # build.checkpoint.Checkpoint of the target
+    ck: Checkpoint                          # the target
     engine_dir: Path
     tokenizer_json: Path
     max_seq_len: int
@@ -59,7 +88,7 @@ class BuildContext:
     log: Callable[..., None]
     quiet: bool = False
     features: tuple[int, ...] = ()
-    state: dict = field(default_factory=dict)
+    state: object = None
     options: tuple[BuildOptions, ...] = ()  # the backends' own options as given (the rest: defaults)
 
     def option(self, cls: type[Options]) -> Options:
@@ -69,14 +98,14 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class EngineRef:
-    """One engine of a manifest, resolved for loading: the file, its model numbers and layers."""
+    """One engine of a manifest, resolved for loading: the file, its model numbers and layers,
+    and what its backend recorded for it (typed by the backend's `record` class)."""
 
     path: Path
     config: ModelConfig
     num_layers: int
-    pad_single_token: bool = False
     feature_layers: tuple[int, ...] = ()    # EAGLE-3 layers the forward outputs (target only)
-    wide_activations: tuple[str, ...] = ()  # the native kernel's wide matrix families (target only)
+    record: DeviceRecord = DeviceRecord()
 
 
 class EngineBackend(ABC):
@@ -93,6 +122,7 @@ class EngineBackend(ABC):
     # else is refused before a build; every backend here implements them all
     model_features: frozenset[str] = frozenset(FEATURES)
     options: type[BuildOptions] | None = None   # its build options (flags), read with ctx.option
+    record: type[DeviceRecord] = DeviceRecord   # what it records per engine (EngineRef.record at load)
 
     def unsupported(self, model) -> list[str]:
         """The model description's features this backend's engines do not implement."""
@@ -133,7 +163,7 @@ class EngineBackend(ABC):
 
     @abstractmethod
     def export_head(self, ctx: BuildContext, head: Path, serving: EngineFile) -> tuple[str, DraftEntry]:
-        """An EAGLE head (any layout build/heads/formats.py reads) as a 1-layer engine."""
+        """An EAGLE head (any layout buildlib/heads/formats.py reads) as a 1-layer engine."""
 
     def finish(self, ctx: BuildContext, engines: dict[str, EngineFile], drafts: dict[str, DraftEntry]) -> None:
         """After every export: device compilation of the written files (TensorRT plans)."""

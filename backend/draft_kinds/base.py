@@ -4,7 +4,7 @@ Knows: the contract (the `--draft` spec form, the manifest entry it writes throu
 device's backend, the target features it needs, how its cost is timed, the drafters it makes
 from a built manifest). Does not know: any particular kind (draft_kinds/*.py), the decode step.
 
-The build (build/pipeline.py), the cost model (build/costs.py) and the assembly
+The build (builder/pipeline.py), the cost model (builder/costs.py) and the assembly
 (engine.make_drafters) iterate over `draft_kinds.KINDS`, so a kind is its drafter
 (drafters/X.py), its kind file here and a registry line; `draft_kinds.registered(kind)` adds
 one for a while (tests).

@@ -1,6 +1,6 @@
 """A draft model with a vocabulary of its own (issue 28): the `cross-vocab` manifest entry that
 `--draft PATH` writes when the checkpoint's tokenizer is not the target's (draft_kinds/
-draft_model.py exports it; build/drafts.py adds the vocabulary map), served as `draft-model` by
+draft_model.py exports it; buildlib/drafts.py adds the vocabulary map), served as `draft-model` by
 drafters/cross_vocab.py (SLEM chains and TLI, chosen per step).
 
 Knows: which entry serves, how its cost is timed (a bare draft forward plus the host work the
@@ -77,7 +77,7 @@ class CrossVocabKind(DraftKind):
     entry_kinds = ("cross-vocab",)
 
     def time(self, manifest, context, reps):
-        from backend.build.timing import step_and_catch_up
+        from backend.buildlib.timing import step_and_catch_up
         from backend.config import SpecConfig
         from backend.devices import load_runtime
 

@@ -1,7 +1,7 @@
 """A draft model: a separate checkpoint (`--draft PATH`) or the target's own first N layers and
 head (`--draft self:N`), served as the `draft-model` drafter. A checkpoint with a vocabulary of
 its own is exported the same way and its entry becomes `cross-vocab` (the vocabulary map beside
-it, build/drafts.py), which draft_kinds/cross_vocab.py times and serves.
+it, buildlib/drafts.py), which draft_kinds/cross_vocab.py times and serves.
 
 Knows: both spec forms, which built draft serves (a separate model over the first layers), how a
 draft forward and its catch-up are timed. Does not know: engine formats (the backend writes them).
@@ -31,7 +31,7 @@ class DraftModelKind(DraftKind):
     entry_kinds = ("model", "self")
 
     def export(self, ctx, spec, backend, serving):
-        from backend.build import drafts as drafts_mod
+        from backend.buildlib import drafts as drafts_mod
 
         if spec.startswith(self.prefix):
             return backend.export_layers(ctx, drafts_mod.self_layers(spec, ctx.ck.config), serving)
@@ -41,7 +41,7 @@ class DraftModelKind(DraftKind):
         return (name, entry) if vmap is None else (name, drafts_mod.cross_vocab_entry(ctx, entry, dck, vmap))
 
     def time(self, manifest, context, reps):
-        from backend.build.timing import step_and_catch_up
+        from backend.buildlib.timing import step_and_catch_up
         from backend.devices import load_runtime
 
         name = default_draft_model(manifest)

@@ -3,7 +3,7 @@
 
 Knows: the head spec, the target features an EAGLE-3 head reads, the head's manifest entry, how
 a drafting step is timed (as the drafter runs it). Does not know: head layouts
-(build/heads/formats.py), engine formats (the backend writes the head's engine).
+(buildlib/heads/formats.py), engine formats (the backend writes the head's engine).
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ class EagleKind(DraftKind):
     entry_kinds = ("eagle",)
 
     def target_features(self, spec, cfg):
-        from backend.build import drafts as drafts_mod
-        from backend.build.heads.formats import feature_layers, head_meta
+        from backend.buildlib import drafts as drafts_mod
+        from backend.buildlib.heads.formats import feature_layers, head_meta
 
         return feature_layers(head_meta(drafts_mod.head_dir(spec)), cfg.num_layers)
 
     def export(self, ctx, spec, backend, serving):
-        from backend.build import drafts as drafts_mod
+        from backend.buildlib import drafts as drafts_mod
 
         return backend.export_head(ctx, drafts_mod.head_dir(spec), serving)
 
@@ -47,7 +47,7 @@ class EagleKind(DraftKind):
         sequences -> (seconds per tree depth, seconds per catch-up token)."""
         if "eagle" not in manifest.drafts:
             return {}
-        from backend.build.timing import TimingSeq
+        from backend.buildlib.timing import TimingSeq
 
         spec = SpecConfig()
         drafter = eagle_drafter(manifest, spec)

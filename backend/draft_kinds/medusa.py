@@ -1,6 +1,6 @@
 """Medusa-1 heads (`--draft medusa:DIR`), served as the `medusa` drafter in host numpy on every
 device. Knows: the spec, the entry, how a proposal is timed. Does not know: the published
-layout (build/heads/medusa.py)."""
+layout (buildlib/heads/medusa.py)."""
 from __future__ import annotations
 
 import statistics
@@ -20,8 +20,8 @@ class MedusaKind(DraftKind):
 
     def export(self, ctx, spec, backend, serving):
         """The heads copied for the host drafter: the same on every device."""
-        from backend.build import drafts as drafts_mod
-        from backend.build.heads.medusa import ENGINE_FILE, export_medusa
+        from backend.buildlib import drafts as drafts_mod
+        from backend.buildlib.heads.medusa import ENGINE_FILE, export_medusa
         from backend.manifest import DraftEntry
 
         d = drafts_mod.head_dir(spec)

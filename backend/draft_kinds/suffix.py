@@ -36,7 +36,7 @@ class SuffixKind(DraftKind):
         """Seconds of one drafting step (the step's tokens appended, the preview the controller
         reads, the tree at the largest budget) on a `history`-token request, with a global store
         filled to its budget with texts like it; median over `steps` steps of `reps` requests."""
-        from backend.build.timing import TimingSeq
+        from backend.buildlib.timing import TimingSeq
 
         spec = SpecConfig()
         drafter = suffix_drafter(spec)

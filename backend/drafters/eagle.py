@@ -46,24 +46,17 @@ def _top_logprobs(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class HostFC:
-    """An EAGLE-3 head's fc [H, 3H] on the host: on the native kernel's blocked matmul, where the
-    install compiled it, with the engine's own OpenMP threads (numpy's OpenBLAS wakes threads of
-    its own for each few-row product, and they fight the engine's threads for the cores:
-    measured, EAGLE-3 drafting went from 0.27 to 0.47 of step time, perf-notes §13; on the
-    kernel's pool, 2 threads against 1 cut the fc from 0.17 to 0.10 ms a step, §13e); numpy
-    elsewhere."""
+    """An EAGLE-3 head's fc [H, 3H] on the host, as the head's runtime multiplies between its
+    steps (Runtime.host_matmul: the native kernel's blocked matmul on the engine's own threads,
+    where numpy's OpenBLAS would start threads that fight them: measured, EAGLE-3 drafting went
+    from 0.27 to 0.47 of step time with numpy, perf-notes §13)."""
 
-    def __init__(self, w: np.ndarray, threads: int = 1):
-        from backend.runtime import native
-
+    def __init__(self, w: np.ndarray, runtime):
         self.w = np.asarray(w, np.float32)                      # [H, 3H]
-        self.blocked = native.BlockedMatrix(self.w) if native.compiled() else None
-        self.threads = max(1, int(threads))
+        self.product = runtime.host_matmul(self.w)              # repacked once, not per step
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.blocked is not None:
-            return self.blocked(x, self.threads)
-        return x @ self.w.T
+        return self.product(x)
 
 
 def head_features(hidden: np.ndarray, hidden_size: int, fc: HostFC | None) -> np.ndarray:
@@ -125,8 +118,7 @@ class EagleDrafter:
         entry = manifest.drafts["eagle"]
         vocab = np.load(manifest.resolve(entry.vocab_path))
         gate = level_gate(manifest.cost_model) if spec.eagle_gate else 0.0
-        fc = (HostFC(np.load(manifest.resolve(entry.fc_path)), getattr(runtime, "threads", 1))
-              if entry.fc_path else None)
+        fc = HostFC(np.load(manifest.resolve(entry.fc_path)), runtime) if entry.fc_path else None
         return cls(runtime, vocab, spec.eagle_depth, spec.eagle_topk, spec.max_tree_nodes, gate, fc)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -9,7 +9,7 @@ Published layout (FasterDecoding/Medusa, Medusa-1): `config.json` with `medusa_n
 `medusa_num_layers`, and `medusa_lm_head.safetensors` (or `medusa_lm_head.pt`) with keys
 `{k}.{j}.linear.weight` / `.bias` for block j of head k and `{k}.{num_layers}.weight` for its LM
 head. The build copies the heads into the engine directory (`draft_medusa.npz`); they run in
-numpy on the host, one matrix product per block and head (build/heads/medusa.py reads and
+numpy on the host, one matrix product per block and head (buildlib/heads/medusa.py reads and
 copies them). Knows: Medusa's math. Does not know: the target's runtime.
 """
 from __future__ import annotations

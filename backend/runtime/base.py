@@ -16,13 +16,19 @@ small host arrays: token ids, tree parents, accepted node lists.
                                       the logits are, so only the accepted paths cross to the host
     commit(seq_ids, keep)             keep the accepted nodes' KV, drop the rest
     truncate(seq_id, length)          forget committed tokens beyond `length` (draft rollback)
+    kernel_path                       the path its matrix products run on, for the serving metrics'
+                                      specdec_kernel_info label (the native kernel's ISA), or None
+    host_matmul(w)                    x -> x W^T between its forwards, on the host, the way this
+                                      runtime's threads would have it (an EAGLE-3 head's fc:
+                                      drafters/eagle.py); so serving never imports a device's runtime
     prefix_cache                      optional (runtimes of slots, once engine.enable_prefix_caches
                                       made one; else absent or None): prefix_cache.PrefixCache, which
                                       starts a new sequence with the cached blocks of its prompt
 """
 from __future__ import annotations
 
-from typing import Protocol
+import os
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -91,11 +97,36 @@ def sampling_arrays(params, noises, positions, float_dtype) -> dict[str, np.ndar
             "out_positions": np.array(positions, np.int64)}
 
 
+def default_threads() -> int:
+    """The CPU runtimes' thread count where the options give none (SPECDEC_THREADS, else up to 2)."""
+    return int(os.environ.get("SPECDEC_THREADS", "0")) or min(2, os.cpu_count() or 1)
+
+
+class Grow:
+    """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost,
+    unless `keep`: then the old prefix is copied, which keeps leading rows of a row-major view)."""
+
+    __slots__ = ("flat",)
+
+    def __init__(self):
+        self.flat = np.empty(0, np.float32)
+
+    def view(self, shape, keep: int = 0) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self.flat.size < n:
+            old = self.flat
+            self.flat = np.empty(n + n // 4 + 4096, np.float32)
+            if keep:
+                self.flat[:keep] = old[:keep]
+        return self.flat[:n].reshape(shape)
+
+
 class Runtime(Protocol):
     config: ModelConfig
     num_layers: int
     max_seq_len: int
     ragged: bool             # a forward computes each row's own nodes only (padding costs nothing)
+    kernel_path: str | None  # where its matrix products run, when the device names one
 
     def alloc(self, seq_id: int) -> None: ...
 
@@ -114,5 +145,7 @@ class Runtime(Protocol):
     def commit(self, seq_ids: list[int], keep: list[np.ndarray]) -> None: ...
 
     def truncate(self, seq_id: int, length: int) -> None: ...
+
+    def host_matmul(self, w: np.ndarray) -> Callable[[np.ndarray], np.ndarray]: ...
 
     def close(self) -> None: ...

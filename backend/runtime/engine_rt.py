@@ -1,4 +1,4 @@
-"""Engine runtime: the TensorRT engine graph (build/engine_graph.py) executed whole, once per
+"""Engine runtime: the TensorRT engine graph (buildlib/engine_graph.py) executed whole, once per
 step, behind the Runtime protocol, so the decoder, drafters, controller and Triton models are
 the same as on the other runtimes.
 
@@ -32,6 +32,7 @@ from backend.kv_cache import PAD_PARENT
 from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
+from backend.runtime.host import HostSide
 from backend.runtime.slot_blocks import SlotBlocks
 
 MAX_VERIFY_NODES = 64     # plugins/kernels.PLUGIN_MAX_NODES: wider trees are verified on the host
@@ -79,7 +80,7 @@ def _host(a) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.cpu().numpy()
 
 
-class EngineRuntime(SlotSequences):
+class EngineRuntime(HostSide, SlotSequences):
     ragged = False
     def __init__(self, executor, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions()):

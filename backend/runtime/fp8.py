@@ -17,14 +17,14 @@ weight-only. Every scale is amax / 448 over its block (448: E4M3's largest finit
 `weight_only`: linears ("layers.<i>.<qkv|o|gate_up|down>") whose weights are FP8 by the recipe
 but whose input stays in the compute dtype (the build's per-linear check sends the linears that
 lose most there). `gptq`: the weights' codes were rounded by GPTQ on calibration inputs
-(build/fp8_gptq.py) instead of to nearest: the same layout, so nothing here reads it. Embedding, norms and LM head are never FP8 (devices/cuda/export.py).
+(buildlib/fp8_gptq.py) instead of to nearest: the same layout, so nothing here reads it. Embedding, norms and LM head are never FP8 (devices/cuda/export.py).
 
 A weight's scale is stored [ceil(N / rows), ceil(K / cols)] (per channel: [N, 1]), computed on
 the fused matrix the runtime multiplies (q|k|v, gate|up), so the torch runtime, the engine graph
 and a block-scaled GEMM see the same blocks. The same numbers run three ways: quantize then
 dequantize in the compute dtype (CPU, the quality measurement: torch's float8_e4m3fn casts round
 to nearest even and are exact), torch's scaled matmuls on a GPU with FP8 tensor cores
-(torch_model.Linear), Q/DQ in the engine graph (build/graph.py).
+(torch_model.Linear), Q/DQ in the engine graph (buildlib/graph.py).
 torch is imported where a function needs it: the recipes' names are read without it (the CLI).
 Knows: scales, E4M3, recipes. Does not know: models, files, which recipe a build chose.
 """
@@ -49,7 +49,7 @@ class Recipe:
     group: int = 0                    # columns of an input group ("group")
     pow2: bool = False                # scales rounded up to powers of two (MX's E8M0)
     weight_only: tuple[str, ...] = ()   # linears whose input is not quantized
-    gptq: bool = False                # weights rounded by GPTQ (build/fp8_gptq.py), not to nearest
+    gptq: bool = False                # weights rounded by GPTQ (buildlib/fp8_gptq.py), not to nearest
 
     INPUTS = ("tensor", "token", "group")
 
@@ -59,7 +59,7 @@ class Recipe:
 
     @property
     def static(self) -> bool:
-        """Whether inputs need calibrated scales (build/calibration.calibrate)."""
+        """Whether inputs need calibrated scales (buildlib/calibration.calibrate)."""
         return self.inputs == "tensor"
 
     def quantizes_input(self, linear: str) -> bool:

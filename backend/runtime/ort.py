@@ -1,4 +1,4 @@
-"""CPU runtime: one ONNX Runtime session over a decoder graph from build/graph.py.
+"""CPU runtime: one ONNX Runtime session over a decoder graph from buildlib/graph.py.
 
 KV storage lives here as numpy arrays that ORT reads and writes in place through IOBinding:
 a batch group (kv_groups.py: which sequences share arrays, and when to copy) keeps, per layer,
@@ -11,7 +11,6 @@ Knows: ORT sessions, IOBinding, KV buffers. Does not know: sampling, drafting, r
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from backend.config import RuntimeOptions
 from backend.kv_cache import PAD_PARENT
 from backend.kv_groups import KVGroups, spread_rows
 from backend.manifest import ModelConfig
-from backend.runtime.base import ForwardOutput, verify_on_host
+from backend.runtime.base import ForwardOutput, Grow, default_threads, verify_on_host
+from backend.runtime.host import HostSide
 
 
 _GLOBAL_POOL_THREADS: int | None = None
@@ -44,10 +44,6 @@ def _use_global_pool(threads: int) -> bool:
         except Exception:
             _GLOBAL_POOL_THREADS = 0
     return bool(_GLOBAL_POOL_THREADS)
-
-
-def default_threads() -> int:
-    return int(os.environ.get("SPECDEC_THREADS", "0")) or min(2, os.cpu_count() or 1)
 
 
 def session_options(threads: int, spinning: bool):
@@ -81,25 +77,6 @@ def shared_sessions():
         yield
     finally:
         _SHARED = outer
-
-
-class Grow:
-    """A flat float32 buffer that is reshaped into views; grows by reallocating (content lost,
-    unless `keep`: then the old prefix is copied, which keeps leading rows of a row-major view)."""
-
-    __slots__ = ("flat",)
-
-    def __init__(self):
-        self.flat = np.empty(0, np.float32)
-
-    def view(self, shape, keep: int = 0) -> np.ndarray:
-        n = int(np.prod(shape))
-        if self.flat.size < n:
-            old = self.flat
-            self.flat = np.empty(n + n // 4 + 4096, np.float32)
-            if keep:
-                self.flat[:keep] = old[:keep]
-        return self.flat[:n].reshape(shape)
 
 
 class _PingPong:
@@ -150,7 +127,7 @@ class _Storage:
             a[row, :, n:] = 0.0
 
 
-class OrtRuntime:
+class OrtRuntime(HostSide):
     ragged = False
     def __init__(self, engine_path: str | Path, config: ModelConfig, num_layers: int,
                  max_seq_len: int, options: RuntimeOptions = RuntimeOptions(),

@@ -8,7 +8,7 @@ program's input norm reads [norm(embedding), norm(feature)]. A target with `feat
 appends those layers' inputs to its features (their programs' Features op; EAGLE-3's, graph.py).
 
 Weights come from an engine file the build wrote (devices/cuda/export.py), canonical names as in
-build/checkpoint.py, in one of three formats:
+buildlib/checkpoint.py, in one of three formats:
     fp32  float32 (the reference; CPU tests)
     bf16  bfloat16
     fp8   float8 E4M3 by the engine's FP8 recipe (runtime/fp8.py, named in the file's metadata;

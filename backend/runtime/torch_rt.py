@@ -30,11 +30,12 @@ from backend.kv_slots import SCRATCH_COLUMNS, SlotSequences, SlotTable
 from backend.manifest import ModelConfig
 from backend.runtime import step_graph
 from backend.runtime.base import ForwardOutput, sampling_arrays, verdicts_from_arrays, verify_on_host
+from backend.runtime.host import HostSide
 from backend.runtime.slot_blocks import SlotBlocks
 from backend.runtime.torch_model import TorchModel, load_recipe, load_tensors, load_w8a8_from
 
 
-class TorchRuntime(SlotSequences):
+class TorchRuntime(HostSide, SlotSequences):
     ragged = False
     def __init__(self, engine_path, config: ModelConfig, num_layers: int, max_seq_len: int,
                  options: RuntimeOptions = RuntimeOptions(), device: str | None = None,

@@ -11,6 +11,7 @@ import numpy as np
 from backend.kv_cache import PAD_PARENT
 from backend.manifest import ModelConfig
 from backend.runtime.base import ForwardOutput, verify_on_host
+from backend.runtime.host import HostSide
 
 
 def toy_config(vocab: int, hidden: int = 8) -> ModelConfig:
@@ -18,7 +19,7 @@ def toy_config(vocab: int, hidden: int = 8) -> ModelConfig:
                        eos_token_ids=())
 
 
-class ToyRuntime:
+class ToyRuntime(HostSide):
     ragged = False
     def __init__(self, vocab: int = 8, order: int = 2, seed: int = 0, scale: float = 2.0,
                  max_seq_len: int = 4096, hidden: int = 8):

@@ -12,7 +12,7 @@ backend/program.py), interpreted here over [B, T] rows as every engine interpret
 low, middle and high layer features) [3H -> H] at the first step and its own pre-norm output
 after; that feature is the residual stream, the attention reads [norm(embedding of x_{t+1}),
 norm(feature)]; its own LM head (initialised from the target's rows) gives the logits. It is
-saved in the layout the EAGLE-3 reference publishes (build/heads/formats.py reads it).
+saved in the layout the EAGLE-3 reference publishes (buildlib/heads/formats.py reads it).
 """
 from __future__ import annotations
 
@@ -200,9 +200,9 @@ class Eagle3Head(EagleHead):
         return out
 
     def load_weights(self, w: dict[str, np.ndarray]) -> None:
-        """From build/heads/formats.read_head's names (an EAGLE-3 head's), through the one map
+        """From buildlib/heads/formats.read_head's names (an EAGLE-3 head's), through the one map
         from the reference's key names to ours."""
-        from backend.build.heads.formats import EAGLE3_KEYS
+        from backend.buildlib.heads.formats import EAGLE3_KEYS
 
         with torch.no_grad():
             for n, key in _EAGLE3_NAMES.items():

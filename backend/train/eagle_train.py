@@ -199,7 +199,7 @@ def validate(model, seqs, vocab: np.ndarray) -> dict:
 
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers an EAGLE-3 head trained here reads: the reference's default."""
-    from backend.build.heads.formats import feature_layers
+    from backend.buildlib.heads.formats import feature_layers
 
     return feature_layers({"layout": "eagle3"}, num_layers)
 
@@ -210,7 +210,7 @@ def prepare_data(cfg: TrainConfig, manifest, tok) -> tuple[dict[str, list[Path]]
     shards, seconds)."""
     from backend.train.corpus import corpus_records
     from backend.train.data import extract_hidden, generate_responses
-    from backend.train.prompts import GENERAL_FROM, build_prompts, tokenizer_words, validation_prompts
+    from backend.buildlib.prompts import GENERAL_FROM, build_prompts, tokenizer_words, validation_prompts
 
     work, t0 = Path(cfg.work) / "data", time.time()
     work.mkdir(parents=True, exist_ok=True)
@@ -245,7 +245,7 @@ def prepare_data(cfg: TrainConfig, manifest, tok) -> tuple[dict[str, list[Path]]
 def train(cfg: TrainConfig) -> Path:
     import torch
 
-    from backend.build.checkpoint import load_checkpoint
+    from backend.buildlib.checkpoint import load_checkpoint
     from backend.engine_format import rope_tables
     from backend.manifest import EngineManifest
     from backend.tokenizer import Tokenizer
@@ -411,8 +411,8 @@ def save_eagle3(out: Path, model, hcfg: dict, vocab: np.ndarray, manifest, meta:
 
 def load_head(head_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """A head's (config, weights) in our names: ours as saved, published layouts through
-    build/heads/formats.read_head."""
-    from backend.build.heads.formats import read_head
+    buildlib/heads/formats.read_head."""
+    from backend.buildlib.heads.formats import read_head
 
     return read_head(Path(head_dir))
 

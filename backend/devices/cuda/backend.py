@@ -1,16 +1,17 @@
 """CUDA engines: torch with our Triton-language kernels (runtime/torch_rt.py), fp32/bf16/FP8.
 
 Knows: the torch engine files (export.py), its build option (Fp8Options, chosen by
-fp8_choice.py where "auto"), the GPU a build was made for and the
-check that this machine is that GPU, loading runtime/torch_rt.py. A build on a machine without
-a GPU makes engines for its CPU (tests, FP8 quality), refused on a GPU. Does not know: the
-decode algorithm.
+fp8_choice.py where "auto") and its record of that choice (record.py: Fp8Record), the GPU a
+build was made for and the check that this machine is that GPU, loading runtime/torch_rt.py. A
+build on a machine without a GPU makes engines for its CPU (tests, FP8 quality), refused on a
+GPU. Does not know: the decode algorithm.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from backend.devices.base import BuildOptions, EngineBackend, EngineRef, rebuild_command
+from backend.devices.cuda.record import Fp8Record
 from backend.errors import UserError
 from backend.manifest import Device, WeightFormat
 from backend.runtime.fp8 import RECIPES
@@ -39,6 +40,7 @@ class CudaBackend(EngineBackend):
     defaults = (WeightFormat.BF16, WeightFormat.FP8)
     any_feature_layers = True
     options = Fp8Options
+    record = Fp8Record
 
     def environment(self, ctx):
         from backend.devices.cuda import export

@@ -1,11 +1,11 @@
 """The build for `--device cuda`: checkpoint -> torch engine files (safetensors, canonical names
-of build/checkpoint.py) in fp32, bf16 or FP8 E4M3, and what the GPU runtime needs to know.
+of buildlib/checkpoint.py) in fp32, bf16 or FP8 E4M3, and what the GPU runtime needs to know.
 
 FP8: the recipe (runtime/fp8.py: how weights and linear inputs are scaled) is chosen by measured
 quality (devices/cuda/fp8_choice.py) or named by `--fp8-recipe`, written into the file's metadata and
-the manifest (EngineFile.fp8); the static recipe's input scales are amax / 448 over calibration
-prompts run through the fp32 model (build/calibration.py); the weights' FP8 math is
-build/fp8.py (shared with the tensorrt device); from which forward width the GPU runs the
+the manifest (record.py: Fp8Record); the static recipe's input scales are amax / 448 over calibration
+prompts run through the fp32 model (buildlib/calibration.py); the weights' FP8 math is
+buildlib/fp8.py (shared with the tensorrt device); from which forward width the GPU runs the
 recipe's W8A8 GEMM instead of W8A16 is measured on the GPU at build (w8a8.py). The embedding, norms, LM head and an EAGLE head's fc stay in bf16.
 Knows: checkpoints, the engine file layout, which GPU this is. Does not know: serving.
 """
@@ -15,9 +15,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from backend.build.calibration import FP8_CALIBRATION_PROMPTS, calibrate, checkpoint_prompts
-from backend.build.checkpoint import Checkpoint
-from backend.build.fp8 import engine_tensors
+from backend.buildlib.calibration import FP8_CALIBRATION_PROMPTS, calibrate, checkpoint_prompts
+from backend.buildlib.checkpoint import Checkpoint
+from backend.buildlib.fp8 import engine_tensors
+from backend.devices.cuda.record import Fp8Record
 from backend.manifest import EngineFile, WeightFormat
 from backend.runtime import fp8
 
@@ -41,7 +42,7 @@ def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path,
     """One engine file; an FP8 one names its recipe in the file's metadata (the runtime reads it).
     `w8a8` (an FP8 target's): a callable given the engine tensors that returns w8a8.py's
     measurement, whose width from which W8A8 runs goes into the metadata too; the EngineFile's
-    `fp8` then holds the measurement (the caller adds the recipe's report)."""
+    record (Fp8Record) then holds the measurement (the caller adds the recipe's report)."""
     from safetensors.torch import save_file
 
     path = Path(engine_dir) / f"{stem}.safetensors"
@@ -54,12 +55,12 @@ def export(ck: Checkpoint, fmt: WeightFormat, num_layers: int, engine_dir: Path,
             meta["w8a8_from"] = json.dumps(measured["w8a8_from"])
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
     return EngineFile(path=path.name, weights=fmt, num_layers=num_layers, size_bytes=path.stat().st_size,
-                      fp8=None if measured is None else {"w8a8": measured})
+                      record=Fp8Record.made(None, measured))
 
 
 def choose_recipe(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, act: dict, log,
                   choice: str = "auto") -> tuple[fp8.Recipe, dict]:
-    """The FP8 recipe of a build and its report (EngineFile.fp8): measured by fp8_choice on
+    """The FP8 recipe of a build and its report (Fp8Record): measured by fp8_choice on
     `prompts` (held out from the calibration: a static scale must hold beyond the prompts it was
     calibrated on) when `choice` is "auto", or the one `--fp8-recipe` names (not measured)."""
     from backend.devices.cuda import fp8_choice
@@ -107,8 +108,8 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
         width = (lambda t: w8a8.for_build(ck, t, recipe, ck.config.num_layers, max_seq_len, log, w8a8_device)) \
             if fmt is WeightFormat.FP8 else None
         ef = export(ck, fmt, ck.config.num_layers, engine_dir, f"target_{fmt.value}", act, recipe, width)
-        engines[fmt.value] = replace(ef, feature_layers=features,
-                                     fp8={**report, **ef.fp8} if fmt is WeightFormat.FP8 else None)
+        engines[fmt.value] = replace(ef, feature_layers=features, record=Fp8Record.made(
+            report, Fp8Record.of(ef).w8a8) if fmt is WeightFormat.FP8 else None)
         timings[fmt.value] = time.time() - t0
     return engines, timings
 
@@ -127,8 +128,8 @@ def export_layers(ck: Checkpoint, n: int, target: EngineFile, log):
 
 
 def export_head(head: Path, ck: Checkpoint, target: EngineFile, engine_dir: Path, log):
-    from backend.build.drafts import eagle_entry
-    from backend.build.heads.eagle import head_checkpoint
+    from backend.buildlib.drafts import eagle_entry
+    from backend.buildlib.heads.eagle import head_checkpoint
 
     fmt = _draft_format(target)
     hck, vocab = head_checkpoint(head, ck)
@@ -138,7 +139,7 @@ def export_head(head: Path, ck: Checkpoint, target: EngineFile, engine_dir: Path
 
 
 def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, engine_dir: Path, log):
-    from backend.build.drafts import draft_checkpoint
+    from backend.buildlib.drafts import draft_checkpoint
     from backend.manifest import DraftEntry
 
     fmt = _draft_format(target)

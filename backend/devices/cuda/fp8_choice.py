@@ -12,7 +12,7 @@ FP8 is emulated here (quantize, dequantize, compute in float32), as on every CPU
 
 The bar is BAR (top-1 agreement >= 0.97 and mean KL <= 0.015). Candidates, in order:
   1. each recipe of fp8.RECIPES, fastest first, its weights rounded by GPTQ where the calibration
-     holds the linears' Hessians, as every build's does (build/fp8_gptq.py: the same codes and
+     holds the linears' Hessians, as every build's does (buildlib/fp8_gptq.py: the same codes and
      scales, so no slower; KL lower than rounding to nearest in every recipe measured, e.g.
      SmolLM2-135M block128 0.0224 -> 0.0179), else to nearest;
   2. then the two best of them (lowest KL: top-1 is the noisier) with their worst linears
@@ -21,7 +21,7 @@ The bar is BAR (top-1 agreement >= 0.97 and mean KL <= 0.015). Candidates, in or
      recipe, ||x W^T - q(x) W^T|| / ||x W^T|| over the probe prompts (FALLBACKS).
 The first candidate that meets the bar is chosen; if none does, the best measured (KL, then
 agreement) is, and the report says the bar was missed. The report goes into the manifest
-(EngineFile.fp8): the choice, the bar, every candidate measured.
+(record.py: Fp8Record): the choice, the bar, every candidate measured.
 Knows: the measure and the order of candidates. Does not know: files, devices.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _logprobs(rt, ids: np.ndarray, n: int) -> np.ndarray:
 def reference(ck, prompts: list[list[int]], max_seq_len: int, new_tokens: int) -> Probe:
     """fp32's greedy continuations of `prompts` (all rows in one batch per step) and its
     log-probabilities along them."""
-    from backend.build.fp8 import engine_tensors as _tensors
+    from backend.buildlib.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP32, ck.config.num_layers, None), max_seq_len, rows=len(prompts))
@@ -105,7 +105,7 @@ def reference(ck, prompts: list[list[int]], max_seq_len: int, new_tokens: int) -
 
 def measure(ck, probe: Probe, recipe: fp8.Recipe, act_scales: dict | None, max_seq_len: int) -> dict:
     """Top-1 agreement and mean KL(fp32 || recipe) over the probe's continuation positions."""
-    from backend.build.fp8 import engine_tensors as _tensors
+    from backend.buildlib.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP8, ck.config.num_layers, act_scales, recipe), max_seq_len, recipe)
@@ -127,12 +127,12 @@ def linear_errors(ck, probe: Probe, recipe: fp8.Recipe, act_scales: dict | None,
     forward, run through the fp32 model."""
     import torch
 
-    from backend.build.fp8 import engine_tensors as _tensors
+    from backend.buildlib.fp8 import engine_tensors as _tensors
     from backend.manifest import WeightFormat
 
     rt = _runtime(ck, _tensors(ck, WeightFormat.FP32, ck.config.num_layers, None), max_seq_len)
     sums: dict[str, list[float]] = {}
-    from backend.build.fp8 import quantize_fp8
+    from backend.buildlib.fp8 import quantize_fp8
 
     for name, lin in rt.model.linears().items():
         w = fp8.dequantize_weight(*quantize_fp8(lin.w.float(), recipe, act_scales, name), recipe)

@@ -1,7 +1,7 @@
 """From which forward width an FP8 engine's input-quantizing linears run the recipe's W8A8 GEMM
 (torch._scaled_mm) instead of W8A16 (plugins/kernels.linear_w8): measured by the build on the GPU
 it builds for (issue 41, point 5), written into the engine file (metadata "w8a8_from", which
-runtime/torch_model.load_w8a8_from reads) and the manifest (EngineFile.fp8["w8a8"]).
+runtime/torch_model.load_w8a8_from reads) and the manifest (record.py: Fp8Record.w8a8).
 
 A width is a forward's nodes per row. The widths a decode or verify step can have (up to the
 largest CUDA-graph bucket, runtime/step_graph.WIDTH_BUCKETS) always run W8A16, so a verify sees

@@ -2,10 +2,10 @@
 blocks, repacked for the kernel. The CPU default where the install compiled the kernel.
 
 Knows: the native engine file (export.py writes it), its build option (NativeOptions: which
-matrices take wide activations, wide.py), which drafts run on the
-kernel beside it (the target's first layers, an EAGLE head, a separate draft model whose
-description it implements) and which on ONNX Runtime (any other draft model), loading
-runtime/native.py. Does not know: the decode algorithm.
+matrices take wide activations, wide.py) and its record of that choice (NativeRecord), which
+drafts run on the kernel beside it (the target's first layers, an EAGLE head, a separate draft
+model whose description it implements) and which on ONNX Runtime (any other draft model),
+loading runtime/native.py. Does not know: the decode algorithm.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from backend.config import RuntimeOptions
-from backend.devices.base import BuildOptions, EngineBackend, EngineRef
+from backend.devices.base import BuildOptions, DeviceRecord, EngineBackend, EngineRef
 from backend.errors import UserError
 from backend.devices.onnx.backend import export_draft_model
 from backend.manifest import Device, DraftEntry, WeightFormat
@@ -44,6 +44,17 @@ class NativeOptions(BuildOptions):
         return wide.parse(self.wide_activations)
 
 
+@dataclass(frozen=True)
+class NativeRecord(DeviceRecord):
+    """A gguf target's choice: the matrix families whose inputs are wide activations (two int8 rows
+    per row, ~14 bits; kernels.h act_q.wide): "qkv", "o", "gate_up", "down", "lm_head"; and how the
+    build chose them (wide.py: the measured agreement of each candidate, the bar). Drafts record
+    none: they run int8 activations."""
+
+    wide_activations: tuple[str, ...] = ()
+    activations: dict | None = None
+
+
 class NativeBackend(EngineBackend):
     name = "native"
     device = Device.CPU
@@ -51,6 +62,7 @@ class NativeBackend(EngineBackend):
     defaults = (WeightFormat.GGUF,)
     any_feature_layers = True            # the kernel outputs whichever layers the runtime names
     options = NativeOptions
+    record = NativeRecord
 
     def missing(self):
         from backend.runtime import native
@@ -72,12 +84,12 @@ class NativeBackend(EngineBackend):
         t0 = time.time()
         ef = export_native(ctx.ck, ctx.ck.config.num_layers, ctx.max_seq_len, ctx.engine_dir / "target_gguf.bin")
         wide, report = self._wide_activations(ctx, ctx.engine_dir / ef.path, ef.weight_bytes_per_token)
-        ef = replace(ef, feature_layers=ctx.features, wide_activations=wide, activations=report)
+        ef = replace(ef, feature_layers=ctx.features, record=NativeRecord(wide, report).to_json())
         return {WeightFormat.GGUF.value: ef}, {"gguf": time.time() - t0}
 
     @staticmethod
     def _wide_activations(ctx, path, weight_bytes: int):
-        """The matrix families taking wide activations and the report (EngineFile.activations):
+        """The matrix families taking wide activations and the report (NativeRecord):
         as --wide-activations names them, or measured on the calibration prompts (wide.py; a
         sample of their positions past wide.SAMPLE_BYTES of weights a token)."""
         from backend.devices.native import wide
@@ -85,7 +97,7 @@ class NativeBackend(EngineBackend):
         given = ctx.option(NativeOptions).wide
         if isinstance(given, tuple):
             return given, {"wide": list(given), "chosen_by": "--wide-activations"}
-        from backend.build.calibration import checkpoint_prompts
+        from backend.buildlib.calibration import checkpoint_prompts
         from backend.runtime.native import NativeRuntime
 
         ck = ctx.ck
@@ -109,7 +121,7 @@ class NativeBackend(EngineBackend):
         implements its model description; else on ONNX Runtime."""
         from pathlib import Path
 
-        from backend.build import drafts as drafts_mod
+        from backend.buildlib import drafts as drafts_mod
         from backend.devices.native.export import export_native
 
         dck = drafts_mod.draft_checkpoint(path, ctx.ck.config)
@@ -123,8 +135,8 @@ class NativeBackend(EngineBackend):
 
     def export_head(self, ctx, head, serving):
         """An EAGLE head on the kernel too: its layer in Q8_0 blocks (export.py), beside the target."""
-        from backend.build import drafts as drafts_mod
-        from backend.build.heads.eagle import head_checkpoint
+        from backend.buildlib import drafts as drafts_mod
+        from backend.buildlib.heads.eagle import head_checkpoint
         from backend.devices.native.export import export_native
 
         hck, vocab = head_checkpoint(head, ctx.ck)
@@ -139,4 +151,4 @@ class NativeBackend(EngineBackend):
         from backend.runtime.native import NativeRuntime
 
         return NativeRuntime(ref.path, ref.config, ref.num_layers, manifest.max_seq_len, options, ref.feature_layers,
-                             ref.wide_activations)
+                             ref.record.wide_activations)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backend.build.checkpoint import SourceTensor
+from backend.buildlib.checkpoint import SourceTensor
 from backend.engine_format import BLOCK_BYTES, BLOCK_ELEMS, LANES, f16_bits, q8_blocks, repack
 
 # GGUF type -> kernel kind (engine_format.KINDS), for the types the kernel reads as they are

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint
+from backend.buildlib.checkpoint import Checkpoint
 from backend.devices.native.blocks import kind_of, layout, matrix as _matrix
 from backend.engine_format import (ALIGN, KINDS, LANES, QBLOCK, blocked, f16_bits, q8_blocks,  # noqa: F401 (re-exported)
                                    read_native, repack)

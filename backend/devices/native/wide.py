@@ -12,7 +12,7 @@ still read once, the dot products of that matrix double.
 The measure: the engine with every family wide is the reference (float activations on the same
 weights, within the residual's rounding); each candidate's top-1 token is compared with the
 reference's at every position of PROBE_PROMPTS calibration prompts (the stdlib-docstring prompts
-of train/prompts.py, never the benchmark's), PROBE_TOKENS tokens each, one prefill forward per
+of buildlib/prompts.py, never the benchmark's), PROBE_TOKENS tokens each, one prefill forward per
 prompt. Candidates, in order: none wide; then, from all wide, each family made narrow again,
 the largest first (the most dot products saved), kept narrow where the agreement stays at BAR
 or above. The families do not add up: int8 errors of different matrices partly cancel, so one
@@ -33,7 +33,7 @@ find, and the search is not run (`--wide-activations fidelity` runs it). A model
 SAMPLE_BYTES a token probes a sample of the prompts' positions (at least MIN_POSITIONS), and the
 price is read on one prefilled context, the settings alternated step by step. The report (the
 choice, the bar, every candidate measured, the price) goes into the manifest
-(EngineFile.activations).
+(NativeRecord.activations).
 Knows: the measure and the order. Does not know: files beyond the engine it is given, devices.
 """
 from __future__ import annotations

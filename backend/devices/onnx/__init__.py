@@ -1,5 +1,5 @@
-"""ONNX Runtime on the CPU: its backend (backend.py: the graph export of build/graph.py, which the
+"""ONNX Runtime on the CPU: its backend (backend.py: the graph export of buildlib/graph.py, which the
 tensorrt device and EAGLE heads share); the runtime is runtime/ort.py."""
-from backend.devices.onnx.backend import OrtBackend, export_draft_model, export_eagle, export_graph
+from backend.devices.onnx.backend import OrtBackend, OrtRecord, export_draft_model, export_eagle, export_graph
 
-__all__ = ["OrtBackend", "export_draft_model", "export_eagle", "export_graph"]
+__all__ = ["OrtBackend", "OrtRecord", "export_draft_model", "export_eagle", "export_graph"]

@@ -9,9 +9,11 @@ numpy references, the proof of graph and runtime on a CPU). Does not know: the d
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from backend.devices.base import EngineBackend, EngineRef, rebuild_command
 from backend.devices.cuda.backend import Fp8Options
+from backend.devices.cuda.record import Fp8Record
 from backend.manifest import Device, WeightFormat
 
 
@@ -22,24 +24,44 @@ def reference_executor() -> bool:
     return os.environ.get("SPECDEC_EXECUTOR", "auto") == "onnxruntime"
 
 
+@dataclass
+class _BuildState:
+    """What one tensorrt build keeps between its steps (BuildContext.state): the GPU and TensorRT
+    it runs on, or what is missing for plans; the targets' FP8 input scales and recipe, which the
+    drafts reuse."""
+
+    gpu: dict | None = None
+    missing: str | None = None
+    act: dict | None = None
+    recipe: object = None                   # runtime/fp8.py Recipe
+
+
 class TensorrtBackend(EngineBackend):
     name = "tensorrt"
     device = Device.TENSORRT
     formats = (WeightFormat.FP32, WeightFormat.FP8)
     defaults = (WeightFormat.FP8,)
     options = Fp8Options                    # the GPU runtime's FP8 recipe, chosen the same way
+    record = Fp8Record
+
+    @staticmethod
+    def _state(ctx) -> _BuildState:
+        if ctx.state is None:
+            ctx.state = _BuildState()
+        return ctx.state
 
     def environment(self, ctx):
         from backend.devices.tensorrt import export
 
-        gpu, missing = export.environment()
-        ctx.state["missing"], ctx.state["gpu"] = missing, gpu
-        return gpu
+        state = self._state(ctx)
+        state.gpu, state.missing = export.environment()
+        return state.gpu
 
     def export_targets(self, ctx, formats):
         from backend.devices.tensorrt import export
 
-        engines, timings, ctx.state["act"], ctx.state["recipe"] = export.export_all(
+        state = self._state(ctx)
+        engines, timings, state.act, state.recipe = export.export_all(
             ctx.ck, formats, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json, ctx.log, ctx.features,
             ctx.option(Fp8Options).fp8_recipe)
         return engines, timings
@@ -47,31 +69,32 @@ class TensorrtBackend(EngineBackend):
     def export_layers(self, ctx, n, serving):
         from backend.devices.tensorrt import export
 
-        return export.export_layers(ctx.ck, n, serving, ctx.state.get("act"), ctx.max_seq_len, ctx.engine_dir,
-                                        ctx.log, ctx.state.get("recipe"))
+        state = self._state(ctx)
+        return export.export_layers(ctx.ck, n, serving, state.act, ctx.max_seq_len, ctx.engine_dir, ctx.log,
+                                    state.recipe)
 
     def export_model(self, ctx, path, serving):
         from backend.devices.tensorrt import export
 
         return export.export_draft_model(path, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir,
-                                             ctx.tokenizer_json, ctx.log, ctx.state.get("recipe"))
+                                         ctx.tokenizer_json, ctx.log, self._state(ctx).recipe)
 
     def export_head(self, ctx, head, serving):
         from backend.devices.tensorrt import export
 
         return export.export_head(head, ctx.ck, serving, ctx.max_seq_len, ctx.engine_dir, ctx.tokenizer_json,
-                                      ctx.log, ctx.state.get("recipe"))
+                                  ctx.log, self._state(ctx).recipe)
 
     def finish(self, ctx, engines, drafts):
         """Plans for every written graph, where this machine has a GPU and TensorRT's builder."""
         from backend.devices.tensorrt import export
         from backend.kv_slots import SCRATCH_COLUMNS
 
-        missing = ctx.state.get("missing")
-        if missing:
-            ctx.log(f"engine-ready ONNX written, no TensorRT engine built: {missing}")
+        state = self._state(ctx)
+        if state.missing:
+            ctx.log(f"engine-ready ONNX written, no TensorRT engine built: {state.missing}")
             return
-        gpu = ctx.state["gpu"]
+        gpu = state.gpu
         ctx.log(f"GPU: {gpu['name']} (sm {gpu['compute_capability']}), TensorRT {gpu['tensorrt']}")
         for x in [*engines.values(), *drafts.values()]:
             if x.path.endswith(".onnx"):

@@ -6,10 +6,10 @@ the plugins of plugins/trt_plugins.py. Where they are absent it writes the engin
 the manifest, builds nothing, and says in one line what is missing.
 
 FP8 is the GPU runtime's recipe (runtime/fp8.py), chosen the same way (devices/cuda/export.fp8_plan:
-measured quality, or `--fp8-recipe`) and written by build/fp8_graph.py; the static recipe's
+measured quality, or `--fp8-recipe`) and written by buildlib/fp8_graph.py; the static recipe's
 input scales are calibrated on the stdlib-docstring prompts; a draft model gets its own
 calibration, a self-draft reads the target's scales, an EAGLE head is calibrated on the target's
-features of the same prompts (build/calibration.calibrate with `head`); drafts use the target's
+features of the same prompts (buildlib/calibration.calibrate with `head`); drafts use the target's
 recipe; an EAGLE head's fc stays float32.
 Knows: which files to write, TensorRT's builder and optimization profiles. Does not know:
 graph wiring (graph.py, engine_graph.py), serving.
@@ -20,9 +20,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from backend.build.checkpoint import Checkpoint
-from backend.build.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
+from backend.buildlib.checkpoint import Checkpoint
+from backend.buildlib.graph import GraphSpec, build_decoder, save_model, weight_bytes_per_token
 from backend.engine_format import plan_path  # noqa: F401 (re-exported: the TensorRT runtime and tests name it here)
+from backend.devices.cuda.record import Fp8Record
 from backend.manifest import DraftEntry, EngineFile, WeightFormat
 
 OPT_BATCH, OPT_NODES = 8, 4          # the profile's optimum: a decode step of a small batch
@@ -58,7 +59,7 @@ def _write(ck: Checkpoint, spec: GraphSpec, engine_dir: Path, stem: str, act: di
 
 def _calibrate(ck: Checkpoint, max_seq_len: int, tokenizer_json: Path, log, head: Checkpoint | None = None,
                head_fc=None, features: tuple[int, ...] = ()) -> dict:
-    from backend.build.calibration import calibrate, checkpoint_prompts
+    from backend.buildlib.calibration import calibrate, checkpoint_prompts
 
     t0 = time.time()
     prompts = checkpoint_prompts(ck, tokenizer_json)
@@ -81,7 +82,7 @@ def export_all(ck: Checkpoint, formats, max_seq_len: int, engine_dir: Path, toke
         t0 = time.time()
         spec = GraphSpec(fmt, ck.config.num_layers, max_seq_len, plugins=True, feature_layers=features)
         ef = _write(ck, spec, engine_dir, f"target_{fmt.value}", act, recipe)
-        engines[fmt.value] = replace(ef, fp8=report) if fmt is WeightFormat.FP8 else ef
+        engines[fmt.value] = replace(ef, record=Fp8Record.made(report)) if fmt is WeightFormat.FP8 else ef
         timings[fmt.value] = time.time() - t0
     return engines, timings, act, recipe
 
@@ -103,8 +104,8 @@ def export_layers(ck: Checkpoint, n: int, target: EngineFile, act: dict | None, 
 
 def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
                 tokenizer_json: Path, log, recipe=None) -> tuple[str, DraftEntry]:
-    from backend.build.drafts import eagle3_fc, eagle_entry
-    from backend.build.heads.eagle import head_checkpoint
+    from backend.buildlib.drafts import eagle3_fc, eagle_entry
+    from backend.buildlib.heads.eagle import head_checkpoint
 
     fmt = target.weights
     hck, vocab = head_checkpoint(head, ck)
@@ -118,7 +119,7 @@ def export_head(head: Path, ck: Checkpoint, target: EngineFile, max_seq_len: int
 
 def export_draft_model(spec: str, ck: Checkpoint, target: EngineFile, max_seq_len: int, engine_dir: Path,
                        tokenizer_json: Path, log, recipe=None) -> tuple[str, DraftEntry]:
-    from backend.build.drafts import draft_checkpoint
+    from backend.buildlib.drafts import draft_checkpoint
 
     fmt = target.weights
     dck = draft_checkpoint(spec, ck.config)

@@ -24,7 +24,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-from backend.build.embedded import cache_dir
+from backend.builder.embedded import cache_dir
 from backend.errors import UserError
 
 VERSION = "1.6.1"          # ai-dynamo-runtime in pyproject.toml's `dynamo` extra: the same

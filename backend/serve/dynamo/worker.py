@@ -88,7 +88,7 @@ def triton_ready(url: str) -> bool:
 
 class SpecdecEngine(LLMEngine):
     def __init__(self, args: argparse.Namespace, card: Path):
-        from backend.build.pipeline import ENGINE_SUBDIR
+        from backend.builder.pipeline import ENGINE_SUBDIR
 
         self.args, self.card = args, card
         self.manifest = EngineManifest.load(Path(args.model_repository) / ENGINE_SUBDIR)
@@ -102,7 +102,7 @@ class SpecdecEngine(LLMEngine):
 
     @classmethod
     async def from_args(cls, argv=None):
-        from backend.build.pipeline import ENGINE_SUBDIR
+        from backend.builder.pipeline import ENGINE_SUBDIR
 
         args = parse_args(argv)
         card = write_card(Path(args.model_repository) / ENGINE_SUBDIR)

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backend.build import checkpoint as ckpt_mod
-from backend.build.templates import fill_repository
+from backend.buildlib import checkpoint as ckpt_mod
+from backend.builder.templates import fill_repository
 from backend.errors import UserError
 from backend import devices, draft_kinds
 from backend.manifest import DraftEntry, Device, EngineFile, EngineManifest, WeightFormat
@@ -101,7 +101,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
             raise BuildError(f"--weights {w.value} {b.missing()}")
     t_start = time.time()
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr))
-    from backend.build.embedded import resolve_target
+    from backend.builder.embedded import resolve_target
 
     source = resolve_target(cfg.target)     # a path, a model package's name, or the default
     if source != cfg.target:
@@ -162,7 +162,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
     if not runnable:
         log("batch invariance and the cost model are measured where the TensorRT engines are built")
     if cfg.check_invariance and runnable:
-        from backend.build.check import measure_invariance
+        from backend.builder.check import measure_invariance
 
         checked = {}
         for key, ef in engines.items():
@@ -172,7 +172,7 @@ def build(cfg: BuildConfig) -> EngineManifest:
         manifest = manifest.with_updates(engines=checked)
         manifest.save(engine_dir)
     if cfg.measure_costs and runnable:
-        from backend.build.costs import measure_cost_model
+        from backend.builder.costs import measure_cost_model
 
         t0 = time.time()
         manifest = manifest.with_updates(cost_model=measure_cost_model(manifest))
@@ -228,7 +228,7 @@ def template_values(m: EngineManifest, cfg: BuildConfig) -> dict[str, object]:
 def write_draft_node(repository: Path, kind: str, output: Path) -> Path:
     """A model repository with only the `draft` model: a draft node serving `kind` (draft-model
     or eagle) from the engines built in `repository`."""
-    from backend.build.templates import fill
+    from backend.builder.templates import fill
 
     engine_dir = (Path(repository) / ENGINE_SUBDIR).resolve()
     m = EngineManifest.load(engine_dir)

@@ -33,8 +33,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from backend import program
-from backend.build import quant
-from backend.build.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
+from backend.buildlib import quant
+from backend.buildlib.checkpoint import BLOCK_TYPES, Checkpoint, SourceTensor
 from backend.engine_format import rope_tables
 from backend.manifest import ModelConfig, WeightFormat
 
@@ -105,7 +105,7 @@ class _Linear:
     FP8 (the engine graph): a layer's linears by the build's FP8 recipe (runtime/fp8.py, written
     by fp8_graph.py): float8 E4M3 weights with their block scales, the input quantized per
     tensor with its calibrated scale ("layers.<i>.<qkv|o|gate_up|down>.act_scale",
-    build/calibration.calibrate) as the QuantizeLinear / DequantizeLinear pairs TensorRT fuses
+    buildlib/calibration.calibrate) as the QuantizeLinear / DequantizeLinear pairs TensorRT fuses
     into FP8 GEMMs, or per token / per group as the recipe says; the recipe's weight-only
     linears (and, in the legacy recipe, an input without a scale) keep their input in float."""
 
@@ -117,7 +117,7 @@ class _Linear:
         self._block_sums: dict[tuple[str, int], str] = {}
 
     def _fp8(self, x: str, name: str, w: np.ndarray, linear: str, row_scale: np.ndarray | None) -> str:
-        from backend.build.fp8_graph import fp8_linear
+        from backend.buildlib.fp8_graph import fp8_linear
 
         act = self.act_scales.get(f"{linear}.act_scale")
         quantize = self.recipe.quantizes_input(linear) and (act is not None or not self.recipe.static)
@@ -185,7 +185,7 @@ def _cat(parts):
 def build_decoder(ckpt: Checkpoint, spec: GraphSpec, progress=None, act_scales: dict | None = None,
                   fp8_recipe=None) -> onnx.ModelProto:
     """act_scales, fp8_recipe: for WeightFormat.FP8, the static recipe's input scales
-    (build/calibration.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one).
+    (buildlib/calibration.calibrate) and the build's recipe (runtime/fp8.py; None: the legacy one).
     The steps in the order they write the graph (node names count up, so the order is the graph)."""
     assert spec.weights is not WeightFormat.FP8 or spec.plugins, "FP8 is a format of the engine graph"
     dec = _Decoder(ckpt, spec, act_scales, fp8_recipe)      # inputs and outputs declared
@@ -219,7 +219,7 @@ class _Decoder:
         self.g = _Builder(ENGINE_OPSET if spec.plugins else OPSET)
         self.lin = _Linear(self.g, spec.weights, act_scales, fp8_recipe)
         # EAGLE-3: the residual stream is the feature (fc'd target features, or the head's own);
-        # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (build/heads/eagle.py)
+        # the attention reads [norm(embedding of x_{t+1}), norm(feature)] (buildlib/heads/eagle.py)
         self.eagle3 = spec.eagle and "layers.0.hidden_norm" in ckpt.tensors
         # each layer's program (backend/program.py); the stream entering each feature layer
         self.programs = cfg.programs(spec.num_layers, spec.feature_layers, self.eagle3)
@@ -231,7 +231,7 @@ class _Decoder:
             helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["B", "R"]),
         ]
         if spec.plugins:
-            from backend.build import engine_graph
+            from backend.buildlib import engine_graph
 
             self.attention = engine_graph.PluginAttention(self.g, cfg, self.inputs)
         else:

@@ -13,7 +13,7 @@ at +-448 like any cast. What the runtime reads does not change: codes and scales
 layout, so the torch runtime, a scaled-matmul GPU kernel and the engine graph's Q/DQ run GPTQ's
 weights exactly as they run nearest rounding's (Recipe.gptq only records how they were rounded).
 
-`hessians` come from the build's calibration prompts (build/calibration.calibrate), one per fused
+`hessians` come from the build's calibration prompts (buildlib/calibration.calibrate), one per fused
 linear ("layers.<i>.<qkv|o|gate_up|down>": q, k and v share their input, so their H).
 Knows: GPTQ, E4M3 rounding. Does not know: models, files, which recipe a build chose.
 """

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint, SourceTensor, TokenizerSource
-from backend.build.graph import GraphSpec, build_decoder, save_model
+from backend.buildlib.checkpoint import Checkpoint, SourceTensor, TokenizerSource
+from backend.buildlib.graph import GraphSpec, build_decoder, save_model
 from backend.manifest import WeightFormat
 
 EAGLE_ONNX = "draft_eagle.onnx"
 
 
 def head_checkpoint(head_dir: Path, target: Checkpoint) -> tuple[Checkpoint, np.ndarray]:
-    """The head (any layout build/heads/formats.py reads) as a 1-layer Checkpoint (vocab =
+    """The head (any layout buildlib/heads/formats.py reads) as a 1-layer Checkpoint (vocab =
     draft vocabulary) and its vocab map [Vd]."""
-    from backend.build.heads.formats import read_head
+    from backend.buildlib.heads.formats import read_head
 
     cfg, w = read_head(head_dir)
     if cfg["target_vocab_size"] != target.config.vocab_size or cfg["hidden_size"] != target.config.hidden_size:

@@ -335,7 +335,7 @@ _GGUF_ROPE_TENSORS = {"rope_freqs.weight": "rope_freqs", "rope_factors_long.weig
 
 
 def _load_gguf(path: Path) -> Checkpoint:
-    from backend.build.gguf_file import read_gguf
+    from backend.buildlib.gguf_file import read_gguf
 
     fields, gguf_tensors = read_gguf(path)
 

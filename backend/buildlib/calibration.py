@@ -1,5 +1,5 @@
 """Calibration shared by every device's build: the prompts (the Python standard library's
-docstrings, train/prompts.py; never the benchmark prompts) and the fp32 model's activation scales
+docstrings, buildlib/prompts.py; never the benchmark prompts) and the fp32 model's activation scales
 and Hessians on them (FP8 on cuda and tensorrt; the native build's wide-activation probe reads
 the prompts).
 Knows: checkpoints, the tokenizer, the fp32 torch model. Does not know: devices, engine files.
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint
+from backend.buildlib.checkpoint import Checkpoint
 from backend.manifest import WeightFormat
 from backend.runtime import fp8
 
 def _fp32_runtime(ck: Checkpoint, max_seq_len: int, features: tuple[int, ...] = ()):
     """The fp32 torch model of `ck` on the CPU (the torch engine's tensors, no file written)."""
-    from backend.build.fp8 import engine_tensors
+    from backend.buildlib.fp8 import engine_tensors
     from backend.config import RuntimeOptions
     from backend.runtime.torch_rt import TorchRuntime
 
@@ -31,15 +31,15 @@ def calibrate(ck: Checkpoint, prompts: list[list[int]], max_seq_len: int, margin
     """Per-tensor activation scales, "layers.<i>.<input>.act_scale" -> amax / 448, from the fp32
     model on `prompts` (token id lists), run on the CPU; with `hessians` also each linear's input
     Hessian, "layers.<i>.<linear>.hessian" -> float32 [K, K] sum of x^T x over every prompt
-    position (GPTQ's, build/fp8_gptq.py; never written to a file). With `head` (an EAGLE head as a
-    1-layer checkpoint, build/heads/eagle.head_checkpoint): the head's, run on the target's
+    position (GPTQ's, buildlib/fp8_gptq.py; never written to a file). With `head` (an EAGLE head as a
+    1-layer checkpoint, buildlib/heads/eagle.head_checkpoint): the head's, run on the target's
     features of the same prompts, as it drafts (x_{t+1} with the feature of x_t; an EAGLE-3 head:
     its fc `head_fc` over the target's `features` layers, drafters/eagle.head_features)."""
     from backend.drafters.eagle import HostFC, head_features
 
     rt = _fp32_runtime(ck, max_seq_len, features)
     probe = _fp32_runtime(head, max_seq_len) if head is not None else rt
-    fc = None if head_fc is None else HostFC(head_fc)                 # repacked once, not per prompt
+    fc = None if head_fc is None else HostFC(head_fc, probe)          # repacked once, not per prompt
     linears = probe.model.linears()
     amax = {name: [] for name in linears}
     gram: dict = {}
@@ -78,10 +78,10 @@ FP8_CALIBRATION_PROMPTS = 64
 
 
 def calibration_prompts(tokenizer, n: int = CALIBRATION_PROMPTS, max_tokens: int = 384) -> list[list[int]]:
-    """Prompts from the Python standard library's docstrings (train/prompts.py): chat-templated,
+    """Prompts from the Python standard library's docstrings (buildlib/prompts.py): chat-templated,
     or for a model without a template (a base model: Gemma-3-270M) their text with the
     tokenizer's special tokens, as bench/prompt_sets.prompt_ids makes a prompt."""
-    from backend.train.prompts import build_prompts
+    from backend.buildlib.prompts import build_prompts
 
     def ids(messages):
         if tokenizer.chat_template:

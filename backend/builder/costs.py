@@ -24,7 +24,7 @@ GRID = (1, 2, 4, 8, 16, 32, 64)
 
 def measure_cost_model(manifest: EngineManifest, context: int = 256, reps: int = 7) -> dict:
     from backend import draft_kinds
-    from backend.build.timing import Shape, time_round_robin
+    from backend.buildlib.timing import Shape, time_round_robin
     from backend.devices import load_runtime
 
     context = min(context, manifest.max_seq_len - GRID[-1] - 1, (manifest.max_seq_len - 1) // 2)  # tiny engines

@@ -1,5 +1,6 @@
-"""Training prompts built from text available offline: the Python standard library's module and
-function docstrings and names. Never the benchmark prompts. Instructions vary in style (explain,
+"""Prompts built from text available offline: the Python standard library's module and function
+docstrings and names, read by the build's calibration (calibration.py) and by the EAGLE head's
+training (train/). Never the benchmark prompts. Instructions vary in style (explain,
 summarize, rewrite, list, compare, chat, story) so the draft head sees the kinds of answers a
 chat model gives, not only code.
 """

@@ -32,12 +32,12 @@ def fp8_linear(g, x: str, name: str, w: np.ndarray, rec: fp8.Recipe, act_scale: 
                quantize_input: bool, row_scale: np.ndarray | None = None, calibration: dict | None = None,
                linear: str = "") -> str:
     """x [B, T, K] @ w.T, w [N, K] float32 quantized by `rec` (GPTQ's rounding where the recipe
-    says so, on `calibration`'s Hessian of `linear`: build/fp8.quantize_fp8, the torch
+    says so, on `calibration`'s Hessian of `linear`: buildlib/fp8.quantize_fp8, the torch
     runtime's bits); `row_scale` [N]: each output's multiplier, folded into the dequantization
     (graph.py's q scale)."""
     import torch
 
-    from backend.build.fp8 import quantize_fp8
+    from backend.buildlib.fp8 import quantize_fp8
 
     q, scale = quantize_fp8(torch.from_numpy(np.array(w, np.float32)), rec, calibration, linear)
     bits = q.T.contiguous().view(torch.uint8).numpy()                             # [K, N]

@@ -1,4 +1,4 @@
-"""Timing forwards and drafters for the cost model (build/costs.py and the drafter kinds'
+"""Timing forwards and drafters for the cost model (builder/costs.py and the drafter kinds'
 `time`): prefilled shapes timed round-robin, so a noisy spell on a shared machine lands on every
 shape alike (the controller uses ratios between shapes), and the sequence a drafter reads.
 """

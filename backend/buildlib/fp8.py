@@ -1,14 +1,14 @@
 """FP8 weight math both GPU devices write (devices/cuda: torch engine files; devices/tensorrt:
-the engine graph's float8 initializers, build/fp8_graph.py): the linears as the runtime
+the engine graph's float8 initializers, buildlib/fp8_graph.py): the linears as the runtime
 multiplies them, each fused linear quantized by a recipe (runtime/fp8.py), rounded by GPTQ
-(build/fp8_gptq.py) where the recipe says so.
+(buildlib/fp8_gptq.py) where the recipe says so.
 Knows: checkpoints, recipes, the torch engine layout's tensor names. Does not know: files, devices.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint
+from backend.buildlib.checkpoint import Checkpoint
 from backend.manifest import WeightFormat
 from backend.runtime import fp8
 
@@ -51,12 +51,12 @@ def engine_tensors(ck: Checkpoint, fmt: WeightFormat, num_layers: int, act_scale
 
 def quantize_fp8(w, recipe: fp8.Recipe, calibration: dict | None, linear: str):
     """A fused linear's [N, K] weight -> (float8 codes, scale) by `recipe`: rounded by GPTQ on its
-    input's Hessian (build/fp8_gptq.py) where the recipe says so and the calibration holds one
+    input's Hessian (buildlib/fp8_gptq.py) where the recipe says so and the calibration holds one
     ("<linear>.hessian": a target calibrated with `hessians`; another model's draft has none and
     rounds to nearest, which changes its acceptance, never the target's output), else to nearest."""
     h = (calibration or {}).get(f"{linear}.hessian") if recipe.gptq else None
     if h is None:
         return fp8.quantize_weight(w, recipe)
-    from backend.build import fp8_gptq
+    from backend.buildlib import fp8_gptq
 
     return fp8_gptq.quantize_weight(w, recipe, h)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.build.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from backend.buildlib.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from backend.manifest import DraftEntry, EngineFile, ModelConfig
 from backend.vocab_map import TokenBytes, VocabMap
 
 EAGLE_VOCAB = "draft_eagle_vocab.npy"
-EAGLE3_FC = "draft_eagle_fc.npy"          # an EAGLE-3 head's fc, run by the drafter (build/heads/eagle.py)
+EAGLE3_FC = "draft_eagle_fc.npy"          # an EAGLE-3 head's fc, run by the drafter (buildlib/heads/eagle.py)
 VOCAB_MAP = "draft_vocab_map.npz"         # a draft with its own vocabulary: the map (vocab_map.py)
 DRAFT_TOKENIZER = "draft_tokenizer.json"  # ... and its tokenizer
 
@@ -78,7 +78,7 @@ def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarra
                 weights: str | None = None) -> DraftEntry:
     """The manifest entry of an EAGLE head written as `engine_file`, its vocabulary map saved;
     `model`: the head's description (ModelConfig.eagle_head), which loading reads."""
-    from backend.build.heads.formats import head_meta, read_head
+    from backend.buildlib.heads.formats import head_meta, read_head
 
     cfg, w = read_head(head)
     np.save(Path(engine_dir) / EAGLE_VOCAB, vocab)
@@ -93,7 +93,7 @@ def eagle_entry(head: Path, engine_dir: Path, engine_file: str, vocab: np.ndarra
 def eagle3_fc(head: Path, target: EngineFile) -> tuple[np.ndarray | None, tuple[int, ...]]:
     """(an EAGLE-3 head's fc [H, 3H], the target engine's feature layers), or (None, ()) for
     other heads: what turns the target's features into the head's (drafters/eagle.head_features)."""
-    from backend.build.heads.formats import read_head
+    from backend.buildlib.heads.formats import read_head
 
     cfg, w = read_head(head)
     return (np.asarray(w["fc"], np.float32), target.feature_layers) if cfg.get("layout") == "eagle3" else (None, ())
