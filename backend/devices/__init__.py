@@ -2,12 +2,13 @@
 
 Knows: the backends (BACKENDS: one object per device and runtime, devices/base.py's contract),
 which backend owns a (device, weight format), its build options, how a manifest's engine or
-draft resolves to a file and model numbers. Does not know: what a backend does inside
-(devices/<name>/: each device's backend, exporter and build choices).
+draft resolves to a file, model numbers and the backend's own record. Does not know: what a
+backend does inside (devices/<name>/: each device's backend, exporter, build choices and record).
 
-Layering: this wing imports the build wing (export) and the runtimes (loading); neither of those
-imports it, and the runtimes never import the build wing (engine-file readers both share live in
-backend/engine_format.py; tests/test_layering.py).
+Layering: this wing imports what devices' builds share (backend/buildlib: export) and the
+runtimes (loading); neither of those imports it, and the runtimes never import the build
+(engine-file readers both share live in backend/engine_format.py). Above it: the drafter kinds, the build's
+orchestration (backend/builder), the assembly and the tools (tests/test_layering.py).
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Drafter kinds: every kind's build, pricing and assembly side, listed once (`KINDS`).
 
 Knows: the kinds, which one takes a `--draft` spec. Does not know: what a kind does inside
-(draft_kinds/*.py, contract in base.py). Layering: above the device seam and the build wing
-(a kind exports through the serving backend and loads its runtime through it), below the
-assembly (engine.py) and the build's orchestration (builder/pipeline.py, builder/costs.py).
+(draft_kinds/*.py, contract in base.py). Layering: above the device seam and the build's
+library (backend/buildlib; a kind exports through the serving backend and loads its runtime
+through it), below the assembly (engine.py) and the build's orchestration (builder/pipeline.py,
+builder/costs.py).
 """
 from __future__ import annotations
 
