@@ -726,7 +726,7 @@ def verify(logits, tokens, parents, temperature, top_k, top_p, min_p, seeds, pos
 def tree_attention_plugin(q, k, v, k_cache, v_cache, slots, ctx_len, n_prior, paths, scale: float,
                           window: int = 0, softcap: float = 0.0):
     """Launch the plugin's tree attention as TensorRT does (contiguous torch tensors; the
-    contract of specdec::tree_attention, build/engine_graph.py) -> o [B, T, Hq, D]."""
+    contract of specdec::tree_attention, buildlib/engine_graph.py) -> o [B, T, Hq, D]."""
     import torch
 
     b, t, hq, d = q.shape

@@ -1,5 +1,5 @@
 """TensorRT plugins `specdec::tree_attention` and `specdec::rejection_sample` (the engine
-graph's nodes, build/engine_graph.py), defined with TensorRT's Python plugin API
+graph's nodes, buildlib/engine_graph.py), defined with TensorRT's Python plugin API
 (`tensorrt.plugin`; the ONNX parser takes AOT Python plugins from TensorRT 10.9): shapes and
 types, and an ahead-of-time implementation
 whose PTX is the Triton kernels of plugins/kernels.py compiled for the build's GPU, so a built
