@@ -38,15 +38,34 @@ def real_gemma_gguf() -> Path:
     return Path(gemma_gguf())
 
 
+def built_once(tmp_path_factory, name: str, make) -> Path:
+    """A session fixture's folder, made once per run. Under pytest-xdist (the README's `-n 2`) each
+    worker is a process with a session of its own, so the first worker to ask makes it under a
+    lock in the run's shared temporary folder and the others take it; without xdist, a folder of
+    this session's. make(folder) writes it; the callers only read it afterwards."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        out = tmp_path_factory.mktemp(name)
+        make(out)
+        return out
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent     # the run's folder, above each worker's own
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            make(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def built_repo(tmp_path_factory, gguf_path) -> Path:
     """The embedded default built as `specdec serve` builds it (fp32 + q4, self:4, EAGLE head)."""
     from backend.builder.embedded import default_drafts
     from backend.builder.pipeline import BuildConfig, build
 
-    out = tmp_path_factory.mktemp("model_repository")
-    build(BuildConfig(target=str(gguf_path), output=out, drafts=default_drafts(), quiet=True))
-    return out
+    return built_once(tmp_path_factory, "model_repository", lambda out: build(
+        BuildConfig(target=str(gguf_path), output=out, drafts=default_drafts(), quiet=True)))
 
 
 @pytest.fixture(scope="session")
