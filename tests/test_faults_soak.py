@@ -173,13 +173,13 @@ def kernel_segfaults() -> list[str]:
         if r.returncode == 0 else []
 
 
-def test_a_clean_stop_leaves_no_crash(built_repo, tmp_path):
-    """Requests through both models (the generator's metrics made), then a clean stop: tritonserver
+def test_a_clean_stop_leaves_no_crash(soak_server):
+    """Requests through both models (the generator's metrics made), then a clean stop of the soak's
+    server, the last test of the module (a server of its own cost a start, ~10 s): tritonserver
     exits 0, no model process wrote a fatal-signal dump, and the kernel log (where readable) has
     no new stub segfault."""
     before = kernel_segfaults()
-    srv = TritonServer(built_repo, log_file=tmp_path / "server.log")
-    srv.start()
+    srv = soak_server
     for model in ("specdec", "ensemble"):
         result = soak.run(srv.http_url, model, requests=8, concurrency=4, max_tokens=8)
         assert not result.failed, result.as_dict()

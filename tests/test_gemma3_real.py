@@ -20,6 +20,7 @@ from conftest import chain, http_post, load_prompts, real_gemma_gguf, spec_decod
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
+FP32_TEXTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +64,13 @@ def test_manifest_describes_gemma3(repo, gemma_gguf):
 
 
 def test_logits_match_transformers(repo, gemma_gguf, texts):
-    """transformers dequantizes the same GGUF: the ONNX fp32 engine within 1e-4; the native engine
+    """transformers dequantizes the same GGUF: the ONNX fp32 engine within 1e-4 (on the first
+    FP32_TEXTS prompts: a float identity, where more text adds time, not cases); the native engine
     (the file's blocks as they are, wide activations where the build's fidelity measure chose
     them: `--wide-activations fidelity`) agrees with it on the top token at >= 0.99 of the
-    positions (issue 26). With int8 activations alone it agreed 0.978 (perf-notes §17, printed
-    beside it): the build measures that and widens the matrices it must (devices/native/wide.py);
-    the default (`auto`) then prices them and keeps int8 where they cost a plain step > 3%."""
+    positions of every prompt (issue 26). With int8 activations alone it agreed 0.978 (perf-notes
+    §17): the build measures that and widens the matrices it must (devices/native/wide.py); the
+    default (`auto`) then prices them and keeps int8 where they cost more than 3%."""
     from backend.devices.native import NativeRecord
 
     m, _ = repo
@@ -77,10 +79,9 @@ def test_logits_match_transformers(repo, gemma_gguf, texts):
     assert wide and record.activations["meets_bar"], record.activations
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
                                                            dtype=torch.float32).eval()
-    agree = {"built": 0, "int8": 0}
-    total = 0
     rts = {f: load_runtime(m, f) for f in ("gguf", "fp32")}
-    native = rts["gguf"]
+    rts["gguf"].model.set_wide(wide)
+    agree = total = 0
 
     def logits(rt, i, ids):
         rt.alloc(i)
@@ -91,15 +92,13 @@ def test_logits_match_transformers(repo, gemma_gguf, texts):
     for i, ids in enumerate(texts):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].numpy()
-        got = logits(rts["fp32"], i, ids)
-        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, i
-        for setting, w in (("int8", ()), ("built", wide)):
-            native.model.set_wide(w)
-            agree[setting] += int((logits(native, i, ids).argmax(-1) == ref.argmax(-1)).sum())
+        if i < FP32_TEXTS:
+            got = logits(rts["fp32"], i, ids)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, i
+        agree += int((logits(rts["gguf"], i, ids).argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
-    print(f"native top-1 agreement with transformers over {total} positions: wide {list(wide)} "
-          f"{agree['built'] / total:.4f}; int8 activations alone {agree['int8'] / total:.4f}")
-    assert agree["built"] / total >= 0.99, (agree, total)
+    print(f"native top-1 agreement with transformers over {total} positions, wide {list(wide)}: {agree / total:.4f}")
+    assert agree / total >= 0.99, (agree, total)
     for rt in rts.values():
         rt.close()
 
@@ -111,7 +110,7 @@ def test_greedy_speculation_with_every_drafter_is_plain(repo, texts):
     dec = spec_decoder(m, "gguf", num_draft_tokens=4)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     gen = lambda ids, kind: [t for o in dec.generate(Request(tuple(ids), params, kind)) for t in o.new_ids]
-    for ids in texts[:4]:
+    for ids in texts[:2]:             # two prompts: each drafter still drafts and is verified on both
         plain = gen(ids, DrafterKind.NONE)
         for kind in (DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL, DrafterKind.AUTO):
             assert gen(ids, kind) == plain, kind

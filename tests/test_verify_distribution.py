@@ -173,7 +173,8 @@ def test_harness_detects_a_biased_verifier():
             return type("V", (), {"output_ids": out})
         return verify_tree(tree, tokens, logits, params, noise)
 
-    assert sequence_tv(SamplingParams(temperature=1.0), biased, n=20_000) > 0.05
+    # 0.23 at 5,000 draws (0.227 at 10,000), where the unbiased verifier's noise is under 0.035
+    assert sequence_tv(SamplingParams(temperature=1.0), biased, n=5_000) > 0.1
 
 
 def test_coupled_draft_is_accepted_at_least_as_the_gumbel_coupling_bound_says():
