@@ -152,27 +152,25 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
 
 
 def test_the_price_reads_a_step_a_verify_and_a_prefill_at_the_serving_thread_count(tiny, monkeypatch):
-    """Each shape at the engine's own thread count by the wall clock of forwards no thread was
-    preempted in; where a loaded machine preempts them (planted: every forward switched out),
-    that shape on one engine thread by its CPU time. The runtime keeps its governor, none wide."""
+    """Each shape at the engine's own thread count by the wall clock where other processes left
+    the cores idle (planted: none busy); where they did not (planted: a core held throughout), on
+    one engine thread by its CPU time. The runtime keeps its governor, none wide."""
     from backend.devices import load_runtime
     from backend.devices.native import price as reading
 
     named, _ = tiny
-    monkeypatch.setattr(reading, "SHAPE_S", 0.2)            # a few pairs: the tiny engine's forwards are fast
+    monkeypatch.setattr(reading, "MAX_PAIRS", reading.MIN_PAIRS)     # the fewest pairs: the clocks are the question
     rt = load_runtime(named)
     governor, prompt = rt.governor, list(range(3, 40))
-    out = wide_choice.price(rt, ("qkv",), prompt, lambda *a: None)
-    shapes = out["shapes"]
-    assert [(k, v["rows"]) for k, v in shapes.items()] == [("step", 1), ("verify", 8), ("prefill", 18)]
-    assert out["threads"] == rt.threads and out["cost"] == shapes[out["worst"]]["cost"] == max(v["cost"] for v in shapes.values())
-    for v in shapes.values():
-        assert (v["clock"], v["threads"]) in ((reading.CLOCK_SERVING, rt.threads), (reading.CLOCK_ONE, 1))
-        assert v["ms_int8"] > 0 and v["ms_wide"] > 0 and v["pairs"] >= reading.MIN_PAIRS
-    switches = iter(range(10 ** 6))
-    monkeypatch.setattr(reading.resource, "getrusage", lambda who: SimpleNamespace(ru_nivcsw=next(switches)))
-    loaded = wide_choice.price(rt, ("qkv",), prompt, lambda *a: None)["shapes"]
-    assert rt.threads == 1 or all((v["clock"], v["threads"]) == (reading.CLOCK_ONE, 1) for v in loaded.values())
+    serving = (reading.CLOCK_SERVING, rt.threads) if rt.threads > 1 else (reading.CLOCK_ONE, 1)
+    for busy, clock in ((0.0, serving), (1.0, (reading.CLOCK_ONE, 1))):
+        monkeypatch.setattr(reading._Others, "cores", lambda self: busy)
+        out = wide_choice.price(rt, ("qkv",), prompt, lambda *a: None)
+        shapes = out["shapes"]
+        assert [(k, v["rows"]) for k, v in shapes.items()] == [("step", 1), ("verify", 8), ("prefill", 18)]
+        assert out["threads"] == rt.threads and out["cost"] == shapes[out["worst"]]["cost"] == max(v["cost"] for v in shapes.values())
+        assert all((v["clock"], v["threads"]) == clock and v["ms_int8"] > 0 and v["ms_wide"] > 0
+                   and v["pairs"] >= reading.MIN_PAIRS for v in shapes.values()), (busy, shapes)
     assert rt.governor is governor and rt.model.struct.wide == 0
     rt.close()
 

@@ -15,15 +15,16 @@ The thread count and the clock. The engine serves on all its threads, so the pri
 too (the governor off: the configured count). Its OpenMP threads spin at the ~300 barriers of a
 forward, so any CPU clock counts a thread's spinning while another process holds its partner's
 core: at load 5 on the 2-vCPU Xeon, a 1B shape's 2-thread step read 441 ms wall and 145 ms of
-CPU on each engine thread for ~20 ms of work, and every clock (wall, process CPU, the least or
-the most busy thread's CPU) read `o` wide within a point of the others and diluted towards zero
-(perf-notes §45). What stays honest is a forward no thread of this process was taken off its
-core for (getrusage's involuntary context switches unchanged over it): on a machine whose cores
-are all the engine's, nothing else ran meanwhile, so its wall time is the quiet machine's. A pair
-counts only where both forwards were such. Where too few pairs are (a loaded machine preempts
-almost every forward longer than a few ms), that shape is read on one engine thread by its CPU
-time instead (no partner, no barrier, no spinning: perf-notes §38's robust clock, which misses
-what a second thread changes), and the report says which clock each shape used. An engine
+CPU on each engine thread for ~42 ms of work, and every clock (wall, process CPU, the least or
+the most busy thread's CPU) scattered alike: `o` wide's verify +10% with an IQR of -3%..+25%
+where one thread's CPU time read +3.4% (perf-notes §45). Nor does counting the forwards no
+thread was preempted in help: getrusage's involuntary switches rose in every 2-thread forward here
+even with other processes at 0.1 of a core (a kernel thread's). So the serving count's wall
+clock is read where the machine is otherwise idle: other processes kept at most QUIET_OTHERS of
+a core busy over the shape's readings (the governor's measure: /proc/stat's busy time less this
+process's CPU time). Elsewhere that shape and the longer ones after it are read on one engine
+thread by its CPU time (no partner, no barrier, no spinning: perf-notes §38's robust clock, which
+misses what a second thread changes), and the report says which clock each shape used. An engine
 configured for one thread is read that way throughout.
 
 Knows: the three forwards and how to read them. Does not know: which families to price, or what
@@ -31,7 +32,6 @@ the price decides (wide.py).
 """
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
@@ -40,17 +40,19 @@ import numpy as np
 PRICE_CONTEXT = 128
 VERIFY_ROWS, PREFILL_ROWS = 8, 64            # a speculative chain's verify; a prefill chunk
 # pairs per shape: as many as fit SHAPE_S (after one forward of each setting, a warm-up), within
-# [MIN_PAIRS, MAX_PAIRS]; at the serving count a shape gives up once more pairs were preempted
-# than 2 x kept + 2 (3 in a row at first), or after SHAPE_S, and is then read on one thread
-# (a loaded machine's 2-thread forwards spin: a 1B prefill chunk took 1.4 s there, ~0.3 s quiet)
+# [MIN_PAIRS, MAX_PAIRS]
 SHAPE_S, MIN_PAIRS, MAX_PAIRS = 2.5, 3, 25
-CLOCK_SERVING = "wall time of unpreempted forwards"
+# the serving count's readings stand where other processes kept at most QUIET_OTHERS of a core
+# busy over them (the governor's measure, runtime/cores.py; a kernel thread here takes ~0.1);
+# checked from CHECK_S on, so a loaded machine costs a shape ~CHECK_S before it goes to one thread
+QUIET_OTHERS, CHECK_S = 0.3, 0.3
+CLOCK_SERVING = "wall time, the cores otherwise idle"
 CLOCK_ONE = "thread CPU time, one engine thread"
 
 
 class _Context:
     """Sequence 0 of `rt` prefilled with `context` (kept put); forward(ids, logits) runs one
-    chain of len(ids) tokens after it and drops it again -> (wall s, thread CPU s, preempted)."""
+    chain of len(ids) tokens after it and drops it again -> (wall s, this thread's CPU s)."""
 
     def __init__(self, rt, context: np.ndarray):
         self.rt, n = rt, context.size
@@ -58,39 +60,54 @@ class _Context:
         rt.forward([0], context[None], np.arange(-1, n - 1, dtype=np.int32)[None], np.full((1, 1), n - 1))
         rt.commit([0], [np.arange(n)])
 
-    def forward(self, ids: np.ndarray, logits: np.ndarray) -> tuple[float, float, bool]:
+    def forward(self, ids: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
         t = ids.size
-        switched, wall, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, time.perf_counter(), time.thread_time()
+        wall, cpu = time.perf_counter(), time.thread_time()
         self.rt.forward([0], ids[None], np.arange(-1, t - 1, dtype=np.int32)[None], logits[None])
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-        preempted = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw != switched
         self.rt.commit([0], [np.array([], np.int64)])
-        return wall, cpu, preempted
+        return wall, cpu
+
+
+class _Others:
+    """The cores other processes kept busy since it was made (/proc/stat's busy time of this
+    process's CPUs less its own CPU time, per second; runtime/cores.py read_busy)."""
+
+    def __init__(self):
+        from backend.runtime import cores
+
+        self.read, cpus = cores.read_busy, cores._cpus()
+        self.cpus, self.t0, self.s0 = cpus, time.monotonic(), cores.read_busy(cpus)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def cores(self) -> float:
+        s1 = self.read(self.cpus)
+        if self.s0 is None or s1 is None:
+            return float("inf")                 # unknown: not quiet
+        return max(0.0, (s1[0] - self.s0[0]) - (s1[1] - self.s0[1])) / max(self.elapsed(), 1e-9)
 
 
 def _pairs(ctx: _Context, set_wide, wide: tuple[str, ...], ids: np.ndarray, logits: np.ndarray,
            serving: bool) -> list[tuple[float, float]] | None:
-    """(int8 ms, wide ms) pairs of one shape by the clock `serving` names; None where too many
-    forwards at the serving count were preempted to read it."""
-    def one(w) -> tuple[float, bool]:
+    """(int8 ms, wide ms) pairs of one shape, by the wall clock (`serving`) or this thread's CPU
+    time; None where other processes kept more than QUIET_OTHERS of a core busy meanwhile."""
+    def one(w) -> float:
         set_wide(w)
-        wall, cpu, preempted = ctx.forward(ids, logits)
-        return 1000 * (wall if serving else cpu), preempted and serving
+        wall, cpu = ctx.forward(ids, logits)
+        return 1000 * (wall if serving else cpu)
 
-    (warm, _), _ = one(()), one(wide)
+    others = _Others() if serving else None
+    warm, _ = one(()), one(wide)
     want = int(np.clip(SHAPE_S * 1000 / max(2 * warm, 1e-3), MIN_PAIRS, MAX_PAIRS))
-    got, lost, t0 = [], 0, time.perf_counter()
+    got = []
     while len(got) < want:
-        if serving and time.perf_counter() - t0 > SHAPE_S:
-            return got if len(got) >= MIN_PAIRS else None
-        order = ((), wide) if (len(got) + lost) % 2 else (wide, ())
-        a, b = (one(w) for w in order)
-        if a[1] or b[1]:
-            lost += 1
-            if lost > 2 * len(got) + 2:
-                return got if len(got) >= MIN_PAIRS else None
-            continue
-        got.append((b[0], a[0]) if order[0] else (a[0], b[0]))     # (int8, wide); wide=() an A/A
+        order = ((), wide) if len(got) % 2 else (wide, ())
+        a, b = one(order[0]), one(order[1])
+        got.append((b, a) if order[0] else (a, b))        # (int8, wide); wide=() an A/A
+        if others is not None and (others.elapsed() > CHECK_S or len(got) == want) and others.cores() > QUIET_OTHERS:
+            return None
     return got
 
 
@@ -113,8 +130,8 @@ def read(rt, wide: tuple[str, ...], prompt: list[int]) -> dict:
     ctx, out = _Context(rt, toks[:ctx_n]), {}
     try:
         for name, (ids, logits) in shapes.items():
-            # the shapes go shortest first: after one a loaded machine preempted, the longer
-            # ones go straight to one thread
+            # the shapes go shortest first: after one found the cores busy, the longer ones go
+            # straight to one thread
             got = _pairs(ctx, rt.model.set_wide, wide, ids, logits, serving=True) if serving > 1 else None
             used = serving = threads if got is not None else 1
             if got is None:

@@ -24,8 +24,8 @@ Then the price (issue 44: a default costs no speed; issue 53: as a user pays it)
 families against int8 on this machine's matmul path (AMX tiles or VNNI), in three forwards after
 a prefilled context: a plain decode step (T=1), a speculative verify of 8 rows and a 64-token
 prefill chunk, the settings alternated forward by forward at the engine's serving thread count,
-timed by the wall clock of forwards no thread was preempted in (one engine thread's CPU time
-where a loaded machine leaves too few: price.py says why). The cost is the worst of the three:
+timed by the wall clock where other processes leave the cores idle (else on one engine thread by
+its CPU time: price.py says why). The cost is the worst of the three:
 wide doubles the integer dots of what it covers, which a step bound by the weight read hides and
 a prefill pays (the 3B shape's all-wide choice read +0.5% on a one-thread step and cost its
 prefill x1.82, perf-notes §37, §45). Where wide costs more than MAX_COST, the default is int8 and
