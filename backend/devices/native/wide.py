@@ -37,8 +37,9 @@ with the fewest dot products is priced alone first; every choice holds at least 
 where that one already costs more than MAX_COST the default is int8 whatever the search would
 find, and the search is not run (`--wide-activations fidelity` runs it). A model reading more than
 SAMPLE_BYTES a token probes a sample of the prompts' positions (at least MIN_POSITIONS), and the
-price reads each shape as few times as its time allows (price.SHAPE_S; ~10-25 s at 3B). The report (the
-choice, the bar, every candidate measured, the price) goes into the manifest
+price reads each shape as few times as its time allows (price.SHAPE_S: the 3B shape's price
+took 44.5 s on a loaded machine, perf-notes §45). The report (the choice, the bar, every
+candidate measured, the price) goes into the manifest
 (NativeRecord.activations).
 Knows: the measure and the order. Does not know: files beyond the engine it is given, devices.
 """
