@@ -89,7 +89,7 @@ def test_the_default_keeps_int8_where_the_fidelity_choice_costs_more_than_3_perc
     for costs, expect in (((0.0, 0.031), ()), ((0.03, 0.03), ("qkv", "gate_up")), ((-0.01, -0.01), ("qkv", "gate_up"))):
         seen = []
         monkeypatch.setattr(wide_choice, "price", lambda rt, wide, prompt, log: seen.append(wide) or
-                            {"path": "test", "step_ms_int8": 1.0, "cost": costs[len(seen) - 1],
+                            {"path": "test", "worst": "prefill", "cost": costs[len(seen) - 1],
                              "max_cost": wide_choice.MAX_COST})
         rt = _PlantedEngine(lose, _cfg(4096))
         wide, report = wide_choice.decide(rt, prompts, lambda *a: None)
@@ -144,23 +144,33 @@ def test_the_manifest_records_the_choice_and_the_runtime_runs_it(tiny):
     assert auto["chosen_by"] in ("measured", "measured, priced") and auto["meets_bar"] and auto["bar"] == wide_choice.BAR
     if "price" in auto:                                     # the fidelity choice was priced on this machine
         price = auto["price"]
-        assert price["path"] == native.isa() and price["step_ms_int8"] > 0 and price["step_ms_wide"] > 0
+        assert price["path"] == native.isa() and set(price["shapes"]) == {"step", "verify", "prefill"}
+        assert price["cost"] == max(s["cost"] for s in price["shapes"].values())
         assert (price["cost"] > wide_choice.MAX_COST) == (auto["chosen_by"] == "measured, priced")
     assert list(NativeRecord.of(measured.engine("gguf")).wide_activations) == auto["wide"]
     assert auto["measured"][0]["wide"] == [] and auto["positions"] > 0
 
 
-def test_the_price_is_timed_on_one_engine_thread_by_its_cpu_time(tiny):
-    """A loaded machine's other processes cost a wall-clock step their time slices, and the
-    default then turned on a coin: the price runs one thread and reads its CPU time, and the
-    runtime keeps its own thread governor afterwards."""
+def test_the_price_reads_a_step_a_verify_and_a_prefill_at_the_serving_thread_count(tiny, monkeypatch):
+    """Each shape at the engine's own thread count by the wall clock where other processes left
+    the cores idle (planted: none busy); where they did not (planted: a core held throughout), on
+    one engine thread by its CPU time. The runtime keeps its governor, none wide."""
     from backend.devices import load_runtime
+    from backend.devices.native import price as reading
 
     named, _ = tiny
+    monkeypatch.setattr(reading, "MAX_PAIRS", reading.MIN_PAIRS)     # the fewest pairs: the clocks are the question
     rt = load_runtime(named)
-    governor = rt.governor
-    out = wide_choice.price(rt, ("qkv",), list(range(3, 40)), lambda *a: None)
-    assert out["clock"] == "thread CPU time, one engine thread" and out["step_ms_int8"] > 0 and out["step_ms_wide"] > 0
+    governor, prompt = rt.governor, list(range(3, 40))
+    serving = (reading.CLOCK_SERVING, rt.threads) if rt.threads > 1 else (reading.CLOCK_ONE, 1)
+    for busy, clock in ((0.0, serving), (1.0, (reading.CLOCK_ONE, 1))):
+        monkeypatch.setattr(reading._Others, "cores", lambda self: busy)
+        out = wide_choice.price(rt, ("qkv",), prompt, lambda *a: None)
+        shapes = out["shapes"]
+        assert [(k, v["rows"]) for k, v in shapes.items()] == [("step", 1), ("verify", 8), ("prefill", 18)]
+        assert out["threads"] == rt.threads and out["cost"] == shapes[out["worst"]]["cost"] == max(v["cost"] for v in shapes.values())
+        assert all((v["clock"], v["threads"]) == clock and v["ms_int8"] > 0 and v["ms_wide"] > 0
+                   and v["pairs"] >= reading.MIN_PAIRS for v in shapes.values()), (busy, shapes)
     assert rt.governor is governor and rt.model.struct.wide == 0
     rt.close()
 

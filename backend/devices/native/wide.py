@@ -20,10 +20,16 @@ family wide alone can agree less than none (SmolLM2-135M: none 0.977, `down` alo
 every family 1.000 against transformers' float logits on the same weights), which is why the
 search removes from the reference rather than adding to nothing.
 
-Then the price (issue 44: a default costs no speed): the chosen families' plain decode step
-against int8's on this machine's matmul path (AMX tiles or VNNI), alternated in one process
-(price). Where wide costs more than MAX_COST of a plain step, the default is int8 and the report
-says what `--wide-activations` would buy (its agreement) and what it would cost.
+Then the price (issue 44: a default costs no speed; issue 53: as a user pays it): the chosen
+families against int8 on this machine's matmul path (AMX tiles or VNNI), in three forwards after
+a prefilled context: a plain decode step (T=1), a speculative verify of 8 rows and a 64-token
+prefill chunk, the settings alternated forward by forward at the engine's serving thread count,
+timed by the wall clock where other processes leave the cores idle (else on one engine thread by
+its CPU time: price.py says why). The cost is the worst of the three:
+wide doubles the integer dots of what it covers, which a step bound by the weight read hides and
+a prefill pays (the 3B shape's all-wide choice read +0.5% on a one-thread step and cost its
+prefill x1.82, perf-notes §37, §45). Where wide costs more than MAX_COST, the default is int8 and
+the report says what `--wide-activations` would buy (its agreement) and what it would cost.
 
 At the sizes users run (issue 53: an 8B's forward over a probe is minutes, and the search runs up
 to seven), the default measures no more than it needs: where int8 misses the bar, the family
@@ -31,8 +37,9 @@ with the fewest dot products is priced alone first; every choice holds at least 
 where that one already costs more than MAX_COST the default is int8 whatever the search would
 find, and the search is not run (`--wide-activations fidelity` runs it). A model reading more than
 SAMPLE_BYTES a token probes a sample of the prompts' positions (at least MIN_POSITIONS), and the
-price is read on one prefilled context, the settings alternated step by step. The report (the
-choice, the bar, every candidate measured, the price) goes into the manifest
+price reads each shape as few times as its time allows (price.SHAPE_S: the 3B shape's price
+took 44.5 s on a loaded machine, perf-notes §45). The report (the choice, the bar, every
+candidate measured, the price) goes into the manifest
 (NativeRecord.activations).
 Knows: the measure and the order. Does not know: files beyond the engine it is given, devices.
 """
@@ -51,11 +58,10 @@ from backend.runtime.native import WIDE_FAMILIES
 # once kept Gemma's LM head narrow at 0.9907, which read 0.9893 on the public prompts.
 BAR = 0.995
 PROBE_PROMPTS, PROBE_TOKENS = 24, 256
-# the most a default's wide families may cost a plain decode step (the developers' guide: a build
-# choice that trades speed for anything else is not the default past a 3% speed cost)
+# the most a default's wide families may cost the worst of a step, a verify and a prefill chunk
+# (the developers' guide: a build choice that trades speed for anything else is not the default
+# past a 3% speed cost)
 MAX_COST = 0.03
-PRICE_CONTEXT, PRICE_STEPS, PRICE_REPS = 128, 16, 7
-PRICE_READING_S = 0.1          # a reading's steps: PRICE_STEPS, or fewer where a step is slower
 # the probe's positions past SAMPLE_BYTES of weights a token: PROBE_PROMPTS x PROBE_TOKENS scaled
 # down with the bytes, never below MIN_POSITIONS (the bar's sampling error there ~0.002)
 SAMPLE_BYTES, MIN_POSITIONS = 1_000_000_000, 1024
@@ -166,57 +172,24 @@ def choose(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS, po
     return chosen, report
 
 
-def _steps(rt, context: np.ndarray, clock=time.perf_counter):
-    """One sequence prefilled with `context` -> a function timing `n` plain decode steps after it
-    (one token, B = 1; the context stays put) by `clock` -> the median step in ms."""
-    rt.alloc(0)
-    rt.forward([0], context[None], np.arange(-1, context.size - 1, dtype=np.int32)[None], np.full((1, 1), context.size - 1))
-    rt.commit([0], [np.arange(context.size)])
-
-    def median_ms(n: int) -> float:
-        times = []
-        for i in range(n):
-            t0 = clock()
-            rt.forward([0], np.array([[context[i % context.size]]]), np.array([[-1]], np.int32), np.zeros((1, 1), np.int64))
-            times.append(clock() - t0)
-            rt.commit([0], [np.array([], np.int64)])
-        return 1000 * float(np.median(times))
-    return median_ms
-
-
 def price(rt, wide: tuple[str, ...], prompt: list[int], log) -> dict:
-    """What `wide` costs a plain decode step against int8 on this machine's matmul path, after a
-    context of the prompt's first PRICE_CONTEXT tokens (fewer where it is shorter), prefilled once:
-    the two alternated PRICE_REPS + 1 times (medians of PRICE_STEPS steps each, fewer where a step
-    is slower than PRICE_READING_S / PRICE_STEPS; each setting's first two readings a warm-up) ->
-    {"families", "path", "clock", "step_ms_int8", "step_ms_wide", "cost", "max_cost",
-    "steps_per_reading"}; rt left with none wide. Timed on one engine thread by its CPU time: on a
-    machine other processes load, wall-clock steps measured their time slices (a build read +2.9%
-    where another, the same hour, read +21.9%, and chose wide by default on the first: perf-notes
-    §38)."""
+    """What `wide` costs against int8 on this machine's matmul path (AMX tiles or VNNI), as a user
+    pays it: a plain step, a verify of a speculative chain and a prefill chunk after a context of
+    the prompt's first tokens, at the engine's serving thread count, the worst of the three
+    (price.py: the shapes, the pairs, the clock) -> {"families", "path", "threads", "shapes",
+    "cost", "worst", "max_cost", "seconds"}; rt left with none wide."""
+    from backend.devices.native import price as reading
     from backend.runtime import native
-    from backend.runtime.cores import CoreGovernor
 
-    n = min(PRICE_CONTEXT, len(prompt))                 # a tiny model's positions may be fewer
-    median_ms = _steps(rt, np.asarray(list(prompt)[:n], np.int64), time.thread_time)    # prefilled on every core
-    narrow, wider = [], []
-    governor, rt.governor = rt.governor, CoreGovernor(1, on=False)
-    try:
-        steps = int(np.clip(round(PRICE_READING_S * 1000 / max(median_ms(1), 1e-3)), 2, PRICE_STEPS))
-        for rep in range(PRICE_REPS + 1):
-            for w in ((), wide) if rep % 2 else (wide, ()):
-                rt.model.set_wide(w)
-                (narrow if not w else wider).append(median_ms(steps))
-    finally:
-        rt.governor = governor
-    rt.free(0)
-    rt.model.set_wide(())
-    a, b = float(np.median(narrow[2:])), float(np.median(wider[2:]))
-    out = {"families": list(wide), "path": native.isa(), "clock": "thread CPU time, one engine thread",
-           "step_ms_int8": round(a, 3), "step_ms_wide": round(b, 3), "cost": round(b / a - 1, 4),
-           "max_cost": MAX_COST, "steps_per_reading": steps}
-    log(f"wide activations {list(wide)} cost a plain decode step {100 * out['cost']:+.1f}% "
-        f"({b:.2f} vs {a:.2f} ms CPU on one thread, {out['path']}; the default allows {100 * MAX_COST:.0f}%)")
+    t0 = time.time()
+    got = reading.read(rt, wide, prompt)
+    out = {"families": list(wide), "path": native.isa(), **got, "max_cost": MAX_COST,
+           "seconds": round(time.time() - t0, 1)}
+    each = ", ".join(f"{k} {100 * v['cost']:+.1f}% ({v['ms_wide']:.2f} vs {v['ms_int8']:.2f} ms, "
+                     f"{v['threads']} thread{'s' if v['threads'] > 1 else ''}{'' if v['threads'] > 1 else ' CPU'})"
+                     for k, v in got["shapes"].items())
+    log(f"wide activations {list(wide)} cost {100 * out['cost']:+.1f}% ({out['worst']}; {each}; {out['path']}; "
+        f"the default allows {100 * MAX_COST:.0f}%; priced in {out['seconds']}s)")
     return out
 
 
@@ -229,23 +202,23 @@ def decide(rt, prompts: list[list[int]], log, max_tokens: int = PROBE_TOKENS,
     cheapest = min(WIDE_FAMILIES, key=sizes.get)
 
     def gate():
-        p = price(rt, (cheapest,), prompts[0][:max_tokens - PRICE_STEPS], log)
+        p = price(rt, (cheapest,), prompts[0][:max_tokens], log)
         if p["cost"] <= MAX_COST:
             return None
         log(f"wide activations: int8 by default here, the search not run (every choice holds a family, and "
-            f"{cheapest}, the cheapest, alone costs {100 * p['cost']:.1f}% of a plain step); "
+            f"{cheapest}, the cheapest, alone costs {100 * p['cost']:.1f}% of a {p['worst']}); "
             f"--wide-activations fidelity runs it")
         return p
 
     wide, report = choose(rt, prompts, log, max_tokens, positions, gate)
     if not wide:
         return wide, report
-    report["price"] = price(rt, wide, prompts[0][:max_tokens - PRICE_STEPS], log)
+    report["price"] = price(rt, wide, prompts[0][:max_tokens], log)
     if report["price"]["cost"] <= MAX_COST:
         return wide, report
     report.update({"wide": [], "chosen_by": "measured, priced", "by_fidelity": list(wide)})
     agreement = next(m["top1_agreement"] for m in report["measured"] if m["wide"] == [])
-    log(f"wide activations: int8 by default here (wide costs {100 * report['price']['cost']:.1f}% of a plain "
-        f"step); --wide-activations {','.join(wide)} would raise top-1 agreement with all wide from "
-        f"{agreement:.4f} to >= {BAR}")
+    log(f"wide activations: int8 by default here (wide costs {100 * report['price']['cost']:.1f}% of a "
+        f"{report['price']['worst']}); --wide-activations {','.join(wide)} would raise top-1 agreement with all "
+        f"wide from {agreement:.4f} to >= {BAR}")
     return (), report
