@@ -58,10 +58,12 @@ def runtime(tmp_path, graphs: bool):
 
 def _drafts(rng, roots, greedy_chain) -> list[Draft]:
     """Row 0: a chain (the greedy continuation at the first step: accepted in full); row 1: a
-    branching tree of random tokens; row 2: a single node."""
-    trees = [TokenTree.chain(len(greedy_chain)), TokenTree.from_parents(np.array([-1, 0, 0, 1, 1], np.int32)),
+    branching tree of random tokens; row 2: a single node. At most 4 nodes a row: the graph's
+    bucket is 4 x 4 (3 rows padded to 4, rows of 1 node padded to 4); a 5-node tree made it 4 x 8,
+    twice the interpreter's work for no other branch."""
+    trees = [TokenTree.chain(len(greedy_chain)), TokenTree.from_parents(np.array([-1, 0, 0, 1], np.int32)),
              TokenTree.chain(0)]
-    toks = [np.array([roots[0], *greedy_chain]), np.array([roots[1], *rng.integers(3, 300, 4)]), np.array([roots[2]])]
+    toks = [np.array([roots[0], *greedy_chain]), np.array([roots[1], *rng.integers(3, 300, 3)]), np.array([roots[2]])]
     return [Draft(t, np.asarray(k, np.int64)) for t, k in zip(trees, toks)]
 
 
@@ -119,7 +121,7 @@ def test_the_step_graph_is_the_eager_step_bit_for_bit(tmp_path):
     eager = _run_steps(runtime(tmp_path, graphs=False), prompts, 2, chains)     # host verification
     graphed_rt = runtime(tmp_path, graphs=True)
     graphed = _run_steps(graphed_rt, prompts, 2, chains)
-    assert any(k[2] == "_step" for k in graphed_rt._graphs), graphed_rt._graphs.keys()
+    assert any(k[:3] == (4, 4, "_step") for k in graphed_rt._graphs), graphed_rt._graphs.keys()
     for (la, ha, va), (lb, hb, vb) in zip(eager, graphed):
         assert va == vb
         assert np.array_equal(la, lb) and np.array_equal(ha, hb)
@@ -182,9 +184,10 @@ def _trace_step(rt, packed, arrays, monkeypatch) -> list:
 
 
 def test_the_captured_step_has_no_host_sync_and_launches_what_its_bucket_fixes(tmp_path, monkeypatch):
-    """Two steps of one bucket (2 x 8) with different tokens, trees, contexts, positions and
-    sampling: the step function's launches and ops are the same call for call (the kernels read
-    everything that differs from the static buffers), and none waits for the device."""
+    """Two steps of one bucket (2 x 4: the smallest that holds a branching tree) with different
+    tokens, trees, contexts, positions and sampling: the step function's launches and ops are the
+    same call for call (the kernels read everything that differs from the static buffers), and
+    none waits for the device."""
     rt = runtime(tmp_path, graphs=True)
     rng = np.random.default_rng(1)
     for s, n in ((0, 9), (1, 4), (2, 12)):
@@ -200,11 +203,11 @@ def test_the_captured_step_has_no_host_sync_and_launches_what_its_bucket_fixes(t
         return step_graph.padded(host, step_graph.bucket_of(*ids.shape, index.shape[1], host["paths"].shape[2]),
                                  rt.capacity)
 
-    a = arrays([0, 1], [Draft(TokenTree.chain(5), rng.integers(3, 300, 6)), Draft(TokenTree.chain(0), np.array([4]))],
+    a = arrays([0, 1], [Draft(TokenTree.chain(2), rng.integers(3, 300, 3)), Draft(TokenTree.chain(0), np.array([4]))],
                [PARAMS[0], PARAMS[1]], [9, 4])
-    b = arrays([2, 1], [Draft(TokenTree.from_parents(np.array([-1, 0, 0, 1, 2, 2, 3], np.int32)), rng.integers(3, 300, 7)),
+    b = arrays([2, 1], [Draft(TokenTree.from_parents(np.array([-1, 0, 0, 1], np.int32)), rng.integers(3, 300, 4)),
                         Draft(TokenTree.chain(2), rng.integers(3, 300, 3))], [PARAMS[2], PARAMS[0]], [12, 30])
-    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a) and a["ids"].shape == (2, 4)
     assert not all(np.array_equal(a[k], b[k]) for k in a)
     packed = step_graph.Packed(a, rt.device)
     ta, tb = _trace_step(rt, packed, a, monkeypatch), _trace_step(rt, packed, b, monkeypatch)
