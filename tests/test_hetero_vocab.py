@@ -15,7 +15,8 @@
 (d) Tiny random-weight Hugging Face checkpoints with different tokenizers through `specdec
     build`: the entry, its coverage and price, greedy identity and seeded sampling at budgets
     and batch sizes on the engines.
-(e) The real pair (Gemma-3-270M target, SmolLM2-135M draft) on the real tritonserver (slow).
+The real pair (Gemma-3-270M target, SmolLM2-135M draft), built and served on the real
+tritonserver, is tests/test_gemma3_real.py's: one Gemma build and one server for both files.
 """
 from __future__ import annotations
 
@@ -598,45 +599,3 @@ def test_built_pair_is_exact(built):
             for batch in (1, 3):
                 seqs = [dec.start(Request(p, params, DrafterKind.DRAFT_MODEL)) for p in prompts[:batch]]
                 assert run_batch(dec, seqs) == plain[:batch], (k, batch, params)
-
-
-# ============================================================================ (e) the real pair, served
-
-@pytest.mark.slow
-def test_real_pair_served_end_to_end(tmp_path_factory):
-    """Gemma-3-270M (target) with SmolLM2-135M (draft, its own vocabulary) built and served by
-    tritonserver: greedy text through `specdec` and the ensemble, drafted by the cross-vocabulary
-    draft, equals offline plain decoding; the server counts its draft tokens outside Gemma's
-    vocabulary."""
-    import urllib.request
-
-    from backend.builder.embedded import default_gguf
-    from backend.builder.pipeline import BuildConfig, build
-    from backend.config import ServeConfig
-    from backend.engine import make_decoder
-    from backend.manifest import WeightFormat
-    from backend.serve.launcher import TritonServer
-    from conftest import stream_and_ensemble
-
-    out = tmp_path_factory.mktemp("real_pair")
-    m = build(BuildConfig(target=str(real_gemma_gguf()), output=out, weights=(WeightFormat.GGUF,),
-                          drafts=(str(default_gguf()),), quiet=True, check_invariance=False, measure_costs=False))
-    assert m.drafts["model"].kind == "cross-vocab" and m.drafts["model"].coverage["share"] > 0.93
-    prompt = "The three primary colors are"
-    dec = make_decoder(ServeConfig(engine_dir=str(m.root), spec=SpecConfig(num_draft_tokens=4)))
-    ids = tuple(dec.tok.encode(prompt))
-    plain = "".join(o.text for o in dec.generate(Request(ids, SamplingParams(max_tokens=24), DrafterKind.NONE)))
-    spec = "".join(o.text for o in dec.generate(Request(ids, SamplingParams(max_tokens=24), DrafterKind.DRAFT_MODEL)))
-    assert spec == plain and dec.stats.num_accepted_tokens > 0
-
-    srv = TritonServer(out, log_file=out / "server.log", log_verbose=0)
-    srv.start()
-    try:
-        assert stream_and_ensemble(srv, prompt, 24, drafter="draft-model", num_draft_tokens=4) == (plain, plain)
-        metrics = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
-        drawn = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_tokens_total\{[^}]*\} (\S+)', metrics, re.M))
-        assert drawn > 0 and "specdec_draft_outside_vocab_share" in metrics
-        rows = sum(float(v) for v in re.findall(r'^specdec_draft_vocab_method_rows_total\{[^}]*\} (\S+)', metrics, re.M))
-        assert rows > 0
-    finally:
-        assert srv.stop() == 0
