@@ -157,6 +157,7 @@ def test_the_price_reads_a_step_a_verify_and_a_prefill_at_the_serving_thread_cou
     one engine thread by its CPU time. The runtime keeps its governor, none wide."""
     from backend.devices import load_runtime
     from backend.devices.native import price as reading
+    from backend.runtime import cores
 
     named, _ = tiny
     monkeypatch.setattr(reading, "MAX_PAIRS", reading.MIN_PAIRS)     # the fewest pairs: the clocks are the question
@@ -164,7 +165,7 @@ def test_the_price_reads_a_step_a_verify_and_a_prefill_at_the_serving_thread_cou
     governor, prompt = rt.governor, list(range(3, 40))
     serving = (reading.CLOCK_SERVING, rt.threads) if rt.threads > 1 else (reading.CLOCK_ONE, 1)
     for busy, clock in ((0.0, serving), (1.0, (reading.CLOCK_ONE, 1))):
-        monkeypatch.setattr(reading._Others, "cores", lambda self: busy)
+        monkeypatch.setattr(cores.OtherLoad, "cores", lambda self: busy)
         out = wide_choice.price(rt, ("qkv",), prompt, lambda *a: None)
         shapes = out["shapes"]
         assert [(k, v["rows"]) for k, v in shapes.items()] == [("step", 1), ("verify", 8), ("prefill", 18)]

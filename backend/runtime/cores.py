@@ -63,6 +63,31 @@ def read_busy(cpus: set[int]) -> tuple[float, float] | None:
     return busy / tick, t.user + t.system
 
 
+def others_busy(s0: tuple[float, float] | None, s1: tuple[float, float] | None, seconds: float) -> float | None:
+    """The cores other processes kept busy between two read_busy samples `seconds` apart (the
+    CPUs' busy time less this process's CPU time), or None where either sample is unknown."""
+    if s0 is None or s1 is None:
+        return None
+    return max(0.0, (s1[0] - s0[0]) - (s1[1] - s0[1])) / max(seconds, 1e-9)
+
+
+class OtherLoad:
+    """The cores other processes have kept busy on this process's CPUs since it was made
+    (the governor's measure, read over one span: the wide-activation price's quiet check)."""
+
+    def __init__(self, cpus: set[int] | None = None):
+        self.cpus = cpus if cpus is not None else _cpus()
+        self.t0, self.s0 = time.monotonic(), read_busy(self.cpus)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def cores(self) -> float:
+        """inf where /proc/stat cannot be read: unknown is not quiet."""
+        v = others_busy(self.s0, read_busy(self.cpus), self.elapsed())
+        return float("inf") if v is None else v
+
+
 class CoreGovernor:
     """threads() before each forward: the count to run it on (1 ... `most`)."""
 
@@ -91,9 +116,9 @@ class CoreGovernor:
             return self.now
         s1 = self._sample()
         self._last = (now, s1)
-        if s0 is None or s1 is None:
+        others = others_busy(s0, s1, now - t0)
+        if others is None:
             return self.now
-        others = max(0.0, (s1[0] - s0[0]) - (s1[1] - s0[1])) / (now - t0)
         self.others = others
         # the cores left to us (ncpu - others), rounded with hysteresis around the current count
         want = self.now

@@ -21,8 +21,8 @@ where one thread's CPU time read +3.4% (perf-notes §45). Nor does counting the 
 thread was preempted in help: getrusage's involuntary switches rose in every 2-thread forward here
 even with other processes at 0.1 of a core (a kernel thread's). So the serving count's wall
 clock is read where the machine is otherwise idle: other processes kept at most QUIET_OTHERS of
-a core busy over the shape's readings (the governor's measure: /proc/stat's busy time less this
-process's CPU time). Elsewhere that shape and the longer ones after it are read on one engine
+a core busy over the shape's readings (the governor's measure, runtime/cores.py OtherLoad:
+/proc/stat's busy time less this process's CPU time). Elsewhere that shape and the longer ones after it are read on one engine
 thread by its CPU time (no partner, no barrier, no spinning: perf-notes §38's robust clock, which
 misses what a second thread changes), and the report says which clock each shape used. An engine
 configured for one thread is read that way throughout.
@@ -69,26 +69,6 @@ class _Context:
         return wall, cpu
 
 
-class _Others:
-    """The cores other processes kept busy since it was made (/proc/stat's busy time of this
-    process's CPUs less its own CPU time, per second; runtime/cores.py read_busy)."""
-
-    def __init__(self):
-        from backend.runtime import cores
-
-        self.read, cpus = cores.read_busy, cores._cpus()
-        self.cpus, self.t0, self.s0 = cpus, time.monotonic(), cores.read_busy(cpus)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def cores(self) -> float:
-        s1 = self.read(self.cpus)
-        if self.s0 is None or s1 is None:
-            return float("inf")                 # unknown: not quiet
-        return max(0.0, (s1[0] - self.s0[0]) - (s1[1] - self.s0[1])) / max(self.elapsed(), 1e-9)
-
-
 def _pairs(ctx: _Context, set_wide, wide: tuple[str, ...], ids: np.ndarray, logits: np.ndarray,
            serving: bool) -> list[tuple[float, float]] | None:
     """(int8 ms, wide ms) pairs of one shape, by the wall clock (`serving`) or this thread's CPU
@@ -98,7 +78,9 @@ def _pairs(ctx: _Context, set_wide, wide: tuple[str, ...], ids: np.ndarray, logi
         wall, cpu = ctx.forward(ids, logits)
         return 1000 * (wall if serving else cpu)
 
-    others = _Others() if serving else None
+    from backend.runtime.cores import OtherLoad
+
+    others = OtherLoad() if serving else None
     warm, _ = one(()), one(wide)
     want = int(np.clip(SHAPE_S * 1000 / max(2 * warm, 1e-3), MIN_PAIRS, MAX_PAIRS))
     got = []
